@@ -1,0 +1,187 @@
+//! The admin listener (`admin.listen`): liveness, readiness and the key API (SPEC section 6).
+//!
+//! - `GET /healthz`: 200 while the process serves.
+//! - `GET /readyz`: 200 when the store answers and its migrations are applied, else 503.
+//! - `GET /v1/keys?scope=S&key=K`: the row as JSON (404 when absent).
+//! - `DELETE /v1/keys?scope=S&key=K`: deletes the row whatever its state (releases a held or
+//!   stuck key), 204, or 404 when absent.
+//!
+//! Bind it to a private address: it has no authentication until `admin.token` lands.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+
+use crate::forward::{Body, full};
+use crate::store::{KeyInfo, Store};
+
+/// Serves the admin API until `shutdown` resolves.
+pub async fn run(listener: TcpListener, store: Arc<dyn Store>, shutdown: impl Future<Output = ()>) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(std::time::Duration::from_secs(10));
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(_) => { tokio::time::sleep(std::time::Duration::from_millis(50)).await; continue }
+            },
+            () = &mut shutdown => return,
+        };
+        let store = Arc::clone(&store);
+        let svc = service_fn(move |req| {
+            let store = Arc::clone(&store);
+            async move { Ok::<_, Infallible>(handle(req, store.as_ref()).await) }
+        });
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), svc)
+            .into_owned();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+}
+
+fn json(status: StatusCode, value: serde_json::Value) -> Response<Body> {
+    let mut r = Response::new(full(Bytes::from(value.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        "application/json".parse().expect("static"),
+    );
+    r
+}
+
+/// The JSON an operator sees for one key (CLI and HTTP alike).
+pub fn key_json(info: &KeyInfo) -> serde_json::Value {
+    serde_json::json!({
+        "scope": info.scope,
+        "key": info.key,
+        "route": info.route,
+        "state": info.state,
+        "status": info.status,
+        "attempts": info.attempts,
+        "body_bytes": info.body_bytes,
+        "created_at": info.created_at,
+        "completed_at": info.completed_at,
+        "lease_expires_at": info.lease_expires_at,
+        "expires_at": info.expires_at,
+        "fingerprint": info.fingerprint_hex,
+    })
+}
+
+async fn handle(req: Request<Incoming>, store: &dyn Store) -> Response<Body> {
+    let path = req.uri().path();
+    match (req.method(), path) {
+        (&Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
+        (&Method::GET, "/readyz") => match store.ready().await {
+            Ok(()) => json(StatusCode::OK, serde_json::json!({"status": "ready"})),
+            Err(e) => json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                serde_json::json!({"status": "not ready", "reason": e.to_string()}),
+            ),
+        },
+        (m, "/v1/keys") if m == Method::GET || m == Method::DELETE => {
+            let query = req.uri().query().unwrap_or("");
+            let (Some(scope), Some(key)) = (query_param(query, "scope"), query_param(query, "key"))
+            else {
+                return json(
+                    StatusCode::BAD_REQUEST,
+                    serde_json::json!({"error": "give both scope and key query parameters"}),
+                );
+            };
+            let unavailable = |e: crate::store::StoreError| {
+                json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    serde_json::json!({"error": e.to_string()}),
+                )
+            };
+            if m == Method::GET {
+                match store.inspect(&scope, &key).await {
+                    Ok(Some(info)) => json(StatusCode::OK, key_json(&info)),
+                    Ok(None) => json(
+                        StatusCode::NOT_FOUND,
+                        serde_json::json!({"error": "no such key"}),
+                    ),
+                    Err(e) => unavailable(e),
+                }
+            } else {
+                match store.delete(&scope, &key).await {
+                    Ok(true) => {
+                        let mut r = Response::new(full(Bytes::new()));
+                        *r.status_mut() = StatusCode::NO_CONTENT;
+                        r
+                    }
+                    Ok(false) => json(
+                        StatusCode::NOT_FOUND,
+                        serde_json::json!({"error": "no such key"}),
+                    ),
+                    Err(e) => unavailable(e),
+                }
+            }
+        }
+        _ => json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": "not found"}),
+        ),
+    }
+}
+
+/// One query parameter, percent-decoded (`+` is a space).
+pub fn query_param(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (percent_decode(k)? == name)
+            .then(|| percent_decode(v))
+            .flatten()
+    })
+}
+
+fn percent_decode(s: &str) -> Option<String> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' => {
+                let hex = s.get(i + 1..i + 3)?;
+                out.push(u8::from_str_radix(hex, 16).ok()?);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_params_are_decoded() {
+        let q = "scope=acct%201&key=a%2Bb+c";
+        assert_eq!(query_param(q, "scope").as_deref(), Some("acct 1"));
+        assert_eq!(query_param(q, "key").as_deref(), Some("a+b c"));
+        assert_eq!(query_param(q, "nope"), None);
+        assert_eq!(query_param("key=%zz", "key"), None);
+    }
+}

@@ -1,0 +1,175 @@
+//! What each CLI verb does (SPEC section 6). `main.rs` only parses arguments and maps
+//! [`CommandError`] to an exit code: 64 for a bad config (before any port is bound), 1 for
+//! everything else.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+
+use crate::config::{Config, ConfigError, PathMatch, ScopeSource, StoreConfig, fmt_duration};
+use crate::gateway::Gateway;
+use crate::store::postgres::PgStore;
+use crate::store::{Store, StoreError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl CommandError {
+    /// 64 (EX_USAGE) for configuration errors, 1 otherwise.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CommandError::Config(_) => 64,
+            CommandError::Store(_) | CommandError::Io(_) | CommandError::Other(_) => 1,
+        }
+    }
+}
+
+/// Opens the configured store (lazily: no connection is made yet).
+pub fn open_store(config: &Config) -> Result<Arc<PgStore>, CommandError> {
+    match &config.store {
+        StoreConfig::Postgres(pg) => Ok(Arc::new(PgStore::new(pg)?)),
+    }
+}
+
+/// `idemgate serve`: migrate, then serve until SIGTERM/SIGINT.
+pub async fn serve(path: &Path) -> Result<(), CommandError> {
+    let config = Arc::new(Config::load(path)?);
+    let store = open_store(&config)?;
+    let applied = store.migrate().await?;
+    tracing::info!(applied, "migrations checked");
+    let listener = TcpListener::bind(config.listen).await?;
+    let admin = match &config.admin {
+        Some(a) => Some(TcpListener::bind(a.listen).await?),
+        None => None,
+    };
+    tracing::info!(listen = %listener.local_addr()?, routes = config.routes.len(), "idemgate serving");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    if let Some(admin) = admin {
+        tracing::info!(listen = %admin.local_addr()?, "admin API serving");
+        let store: Arc<dyn Store> = store.clone();
+        let mut rx = stop_rx.clone();
+        tokio::spawn(crate::admin::run(admin, store, async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }));
+    }
+    let gateway = Arc::new(Gateway::new(Arc::clone(&config), store));
+    crate::server::run(
+        listener,
+        gateway,
+        config.server.clone(),
+        crate::server::shutdown_signal(),
+    )
+    .await;
+    let _ = stop_tx.send(true);
+    Ok(())
+}
+
+/// `idemgate check`: validate and print the resolved routes.
+pub fn check(path: &Path) -> Result<String, CommandError> {
+    let config = Config::load(path)?;
+    let mut out = format!("{}: ok\nlisten {}\n", path.display(), config.listen);
+    if let Some(a) = &config.admin {
+        out.push_str(&format!("admin  {}\n", a.listen));
+    }
+    for (name, up) in &config.upstreams {
+        out.push_str(&format!(
+            "upstream {name}: {} (connect {}, timeout {})\n",
+            up.url,
+            fmt_duration(up.connect_timeout),
+            fmt_duration(up.timeout)
+        ));
+    }
+    for (i, r) in config.routes.iter().enumerate() {
+        let path = match &r.path {
+            PathMatch::Exact(p) => format!("path {p}"),
+            PathMatch::Prefix(p) => format!("path_prefix {p}"),
+        };
+        let methods = r
+            .methods
+            .as_ref()
+            .map(|m| m.iter().map(|m| m.as_str()).collect::<Vec<_>>().join(","))
+            .unwrap_or_else(|| "any".into());
+        out.push_str(&format!(
+            "route[{i}] {}: {path} methods {methods} -> {}\n",
+            r.name, r.upstream
+        ));
+        match &r.idempotency {
+            None => out.push_str("  idempotency: off (plain proxy)\n"),
+            Some(idem) => {
+                let keys: Vec<String> = idem
+                    .key
+                    .iter()
+                    .map(|k| match k {
+                        crate::config::KeySource::Header(h) => format!("header {h}"),
+                        crate::config::KeySource::Json(p) => format!("json {p}"),
+                    })
+                    .collect();
+                let scope = match &idem.scope {
+                    ScopeSource::Header(h) => format!("header {h}"),
+                    ScopeSource::Json(p) => format!("json {p}"),
+                    ScopeSource::Authorization => "sha256(authorization)".into(),
+                    ScopeSource::Fixed(f) => format!("fixed {f}"),
+                };
+                let methods: Vec<&str> = idem.methods.iter().map(|m| m.as_str()).collect();
+                out.push_str(&format!(
+                    "  idempotency: methods {} key [{}]{} scope {scope}\n  ttl {} lease {} in_flight {:?} wait {} unknown {:?} store_error {:?}\n",
+                    methods.join(","),
+                    keys.join(", "),
+                    if idem.required { " required" } else { "" },
+                    fmt_duration(idem.ttl),
+                    fmt_duration(idem.lease),
+                    idem.in_flight,
+                    fmt_duration(idem.wait_timeout),
+                    idem.on_unknown_outcome,
+                    idem.on_store_error,
+                ));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `idemgate migrate`: apply pending migrations and exit.
+pub async fn migrate(path: &Path) -> Result<usize, CommandError> {
+    let config = Config::load(path)?;
+    let store = open_store(&config)?;
+    Ok(store.migrate().await?)
+}
+
+/// `idemgate keys show`: the row as JSON, or an error when absent.
+pub async fn keys_show(path: &Path, scope: &str, key: &str) -> Result<String, CommandError> {
+    let config = Config::load(path)?;
+    let store = open_store(&config)?;
+    match store.inspect(scope, key).await? {
+        Some(info) => {
+            Ok(serde_json::to_string_pretty(&crate::admin::key_json(&info))
+                .expect("JSON serializes"))
+        }
+        None => Err(CommandError::Other(format!(
+            "no key '{key}' in scope '{scope}'"
+        ))),
+    }
+}
+
+/// `idemgate keys delete`: deletes the row whatever its state.
+pub async fn keys_delete(path: &Path, scope: &str, key: &str) -> Result<(), CommandError> {
+    let config = Config::load(path)?;
+    let store = open_store(&config)?;
+    if store.delete(scope, key).await? {
+        Ok(())
+    } else {
+        Err(CommandError::Other(format!(
+            "no key '{key}' in scope '{scope}'"
+        )))
+    }
+}

@@ -1,0 +1,1186 @@
+//! Configuration: the YAML file of SPEC section 4, in two stages.
+//!
+//! 1. The text is parsed by serde-saphyr into a generic tree, `${VAR}` references in string
+//!    values are replaced from the environment, and the tree is deserialized into the `Raw*`
+//!    types below (`deny_unknown_fields`, everything optional that has a default) while the
+//!    YAML path of every node is tracked, so an error reads `routes[1].idempotency.ttl: ...`.
+//! 2. [`validate`] turns the raw types into [`Config`]: real `Duration`s and byte sizes,
+//!    parsed methods and header names, compiled routes, resolved upstreams, and cross-field
+//!    checks (a lease must outlive its upstream's timeout).
+//!
+//! Invariants of a [`Config`]: every route names an existing upstream; every keyed route's
+//! `lease` is longer than that upstream's `timeout` and not longer than its `ttl`; route names
+//! are unique. Fields a later release brings are rejected ("not supported yet"), never ignored.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+use serde::Deserialize;
+use serde_json::Value;
+
+/// A configuration error: the YAML path it concerns and what is wrong there.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid YAML: {0}")]
+    Yaml(String),
+    #[error("{path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+fn invalid(path: impl Into<String>, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.into(),
+        message: message.into(),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw types: exactly what the YAML may say.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    listen: Option<String>,
+    admin: Option<RawAdmin>,
+    #[serde(default)]
+    server: RawServer,
+    store: RawStore,
+    upstreams: BTreeMap<String, RawUpstream>,
+    routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    listen: String,
+    token: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    max_connections: Option<usize>,
+    header_read_timeout: Option<String>,
+    shutdown_grace: Option<String>,
+    tls: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    postgres: Option<RawPostgres>,
+    sqlite: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPostgres {
+    url: String,
+    pool_size: Option<usize>,
+    acquire_timeout: Option<String>,
+    connect_timeout: Option<String>,
+    statement_timeout: Option<String>,
+    tls: Option<RawPgTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPgTls {
+    mode: String,
+    ca: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    url: String,
+    connect_timeout: Option<String>,
+    timeout: Option<String>,
+    tls: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    name: String,
+    #[serde(rename = "match")]
+    matcher: RawMatch,
+    upstream: String,
+    idempotency: Option<RawIdempotency>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    path: Option<String>,
+    path_prefix: Option<String>,
+    methods: Option<Vec<String>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIdempotency {
+    key: Option<Vec<RawKeySource>>,
+    scope: Option<RawScope>,
+    required: Option<bool>,
+    methods: Option<Vec<String>>,
+    fingerprint: Option<RawFingerprint>,
+    ttl: Option<String>,
+    lease: Option<String>,
+    in_flight: Option<InFlight>,
+    wait_timeout: Option<String>,
+    retry_statuses: Option<Vec<RawStatus>>,
+    on_unknown_outcome: Option<OnUnknownOutcome>,
+    on_store_error: Option<OnStoreError>,
+    max_request_body: Option<RawSize>,
+    max_stored_response: Option<RawSize>,
+    replay_headers: Option<Vec<String>>,
+    forward_key_header: Option<String>,
+    serialize: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "lowercase")]
+enum RawKeySource {
+    Header(String),
+    Json(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "lowercase")]
+enum RawScope {
+    Header(String),
+    Json(String),
+    Authorization(bool),
+    Fixed(String),
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFingerprint {
+    #[serde(default)]
+    headers: Vec<String>,
+    #[serde(default)]
+    json_canonical: bool,
+    #[serde(default)]
+    json_ignore: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawStatus {
+    Code(u16),
+    Range(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    Bytes(u64),
+    Text(String),
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validated types.
+// ---------------------------------------------------------------------------------------------
+
+/// The whole validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub admin: Option<AdminConfig>,
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    /// Upstreams by name.
+    pub upstreams: BTreeMap<String, UpstreamConfig>,
+    /// Routes in file order: the first that matches wins.
+    pub routes: Vec<Route>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AdminConfig {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Connections served at once; further ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// Time a client has to send a complete request head (slowloris bound).
+    pub header_read_timeout: Duration,
+    /// Time in-flight requests get to finish after SIGTERM/SIGINT.
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub enum StoreConfig {
+    Postgres(PostgresConfig),
+}
+
+#[derive(Debug, Clone)]
+pub struct PostgresConfig {
+    pub url: String,
+    pub pool_size: usize,
+    /// Bound on waiting for a pooled connection (including creating one).
+    pub acquire_timeout: Duration,
+    /// Bound on opening one new connection.
+    pub connect_timeout: Duration,
+    /// Server-side `statement_timeout`, also enforced on the client side.
+    pub statement_timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct UpstreamConfig {
+    pub name: String,
+    /// Base URI: scheme and authority, with an optional path prefix (no trailing slash).
+    pub url: http::Uri,
+    pub connect_timeout: Duration,
+    /// Bound on the whole exchange: sending the request and reading the response head (and,
+    /// for keyed requests, the body that is stored).
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path: PathMatch,
+    /// Methods the route matches; `None` matches every method.
+    pub methods: Option<Vec<Method>>,
+    pub upstream: String,
+    pub idempotency: Option<Idempotency>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PathMatch {
+    Exact(String),
+    Prefix(String),
+}
+
+impl PathMatch {
+    pub fn matches(&self, path: &str) -> bool {
+        match self {
+            PathMatch::Exact(p) => path == p,
+            PathMatch::Prefix(p) => path.starts_with(p.as_str()),
+        }
+    }
+}
+
+impl Route {
+    pub fn matches(&self, method: &Method, path: &str) -> bool {
+        self.path.matches(path)
+            && self
+                .methods
+                .as_ref()
+                .is_none_or(|methods| methods.contains(method))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeySource {
+    Header(HeaderName),
+    /// A JSON pointer (RFC 6901) into the request body.
+    Json(String),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ScopeSource {
+    Header(HeaderName),
+    Json(String),
+    /// SHA-256 of the `Authorization` header value; the credential is never stored.
+    Authorization,
+    Fixed(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InFlight {
+    Wait,
+    Reject,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnUnknownOutcome {
+    Reforward,
+    Hold,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreError {
+    Reject,
+    PassThrough,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct FingerprintConfig {
+    /// Request headers that take part in the fingerprint, in this order.
+    pub headers: Vec<HeaderName>,
+    /// Hash the body as canonical JSON (sorted keys, no insignificant white space).
+    pub json_canonical: bool,
+    /// JSON pointers removed before hashing (only with `json_canonical`).
+    pub json_ignore: Vec<String>,
+}
+
+/// Statuses that release the claim instead of being stored: ranges, inclusive.
+#[derive(Debug, Clone)]
+pub struct StatusSet(Vec<(u16, u16)>);
+
+impl StatusSet {
+    pub fn contains(&self, status: u16) -> bool {
+        self.0.iter().any(|&(lo, hi)| lo <= status && status <= hi)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Idempotency {
+    pub key: Vec<KeySource>,
+    pub scope: ScopeSource,
+    pub required: bool,
+    pub methods: Vec<Method>,
+    pub fingerprint: FingerprintConfig,
+    pub ttl: Duration,
+    pub lease: Duration,
+    pub in_flight: InFlight,
+    pub wait_timeout: Duration,
+    pub retry_statuses: StatusSet,
+    pub on_unknown_outcome: OnUnknownOutcome,
+    pub on_store_error: OnStoreError,
+    pub max_request_body: usize,
+    pub max_stored_response: usize,
+    pub replay_headers: Vec<HeaderName>,
+    pub forward_key_header: HeaderName,
+}
+
+impl Idempotency {
+    /// Whether any part of the key or scope must be read from a JSON body.
+    pub fn needs_json(&self) -> bool {
+        self.key.iter().any(|k| matches!(k, KeySource::Json(_)))
+            || matches!(self.scope, ScopeSource::Json(_))
+            || self.fingerprint.json_canonical
+    }
+}
+
+/// Defaults, in one place (SPEC section 4).
+pub mod defaults {
+    use std::time::Duration;
+
+    pub const LISTEN: &str = "0.0.0.0:8080";
+    pub const MAX_CONNECTIONS: usize = 10_000;
+    pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const POOL_SIZE: usize = 16;
+    pub const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(500);
+    pub const PG_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+    pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
+    pub const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+    pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const KEY_HEADER: &str = "idempotency-key";
+    pub const METHODS: [&str; 2] = ["POST", "PATCH"];
+    pub const TTL: Duration = Duration::from_secs(24 * 3600);
+    /// Added to the upstream timeout when `lease` is not given.
+    pub const LEASE_MARGIN: Duration = Duration::from_secs(15);
+    pub const WAIT_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const RETRY_STATUSES: [(u16, u16); 4] = [(408, 408), (425, 425), (429, 429), (500, 599)];
+    pub const MAX_REQUEST_BODY: usize = 1024 * 1024;
+    pub const MAX_STORED_RESPONSE: usize = 1024 * 1024;
+    pub const REPLAY_HEADERS: [&str; 10] = [
+        "content-type",
+        "content-encoding",
+        "content-language",
+        "location",
+        "content-location",
+        "etag",
+        "last-modified",
+        "link",
+        "cache-control",
+        "retry-after",
+    ];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading.
+// ---------------------------------------------------------------------------------------------
+
+impl Config {
+    /// Reads and validates a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Config::from_yaml(&text)
+    }
+
+    /// Parses and validates config text, reading `${VAR}` from the process environment.
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        Config::from_yaml_with_env(text, &|name| std::env::var(name).ok())
+    }
+
+    /// Parses and validates config text with an explicit environment (for tests).
+    pub fn from_yaml_with_env(
+        text: &str,
+        env: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut tree: Value =
+            serde_saphyr::from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+        if tree.is_null() {
+            return Err(invalid("(root)", "the file is empty"));
+        }
+        interpolate(&mut tree, "", env)?;
+        let raw: RawConfig = serde_path_to_error::deserialize(tree).map_err(|e| {
+            let path = e.path().to_string();
+            let path = if path == "." { "(root)".into() } else { path };
+            invalid(path, e.into_inner().to_string())
+        })?;
+        validate(raw)
+    }
+}
+
+/// Replaces `${VAR}` in every string of the tree; `$$` stands for a literal `$`.
+fn interpolate(
+    value: &mut Value,
+    path: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<(), ConfigError> {
+    match value {
+        Value::String(s) if s.contains('$') => {
+            *s = interpolate_str(s, env).map_err(|m| invalid(display_path(path), m))?;
+        }
+        Value::Array(items) => {
+            for (i, item) in items.iter_mut().enumerate() {
+                interpolate(item, &format!("{path}[{i}]"), env)?;
+            }
+        }
+        Value::Object(map) => {
+            for (k, item) in map.iter_mut() {
+                let sub = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                interpolate(item, &sub, env)?;
+            }
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+fn display_path(path: &str) -> String {
+    if path.is_empty() {
+        "(root)".into()
+    } else {
+        path.into()
+    }
+}
+
+fn interpolate_str(s: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(tail) = after.strip_prefix('$') {
+            out.push('$');
+            rest = tail;
+        } else if let Some(tail) = after.strip_prefix('{') {
+            let end = tail
+                .find('}')
+                .ok_or_else(|| "unterminated '${' (write '$$' for a literal '$')".to_string())?;
+            let name = &tail[..end];
+            if name.is_empty() || !name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_') {
+                return Err(format!("invalid environment variable name '{name}'"));
+            }
+            let val = env(name).ok_or_else(|| format!("environment variable {name} is not set"))?;
+            out.push_str(&val);
+            rest = &tail[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+/// Parses `250ms`, `10s`, `5m`, `24h`, `7d` (one number and one unit).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("'{s}' has no unit: write e.g. 250ms, 10s, 5m, 24h or 7d"))?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a duration: write e.g. 250ms, 10s, 5m, 24h or 7d"))?;
+    let ms = match unit {
+        "ms" => Some(n),
+        "s" => n.checked_mul(1000),
+        "m" => n.checked_mul(60_000),
+        "h" => n.checked_mul(3_600_000),
+        "d" => n.checked_mul(86_400_000),
+        _ => {
+            return Err(format!(
+                "'{s}' has an unknown unit '{unit}': use ms, s, m, h or d"
+            ));
+        }
+    }
+    .ok_or_else(|| format!("'{s}' is too large"))?;
+    Ok(Duration::from_millis(ms))
+}
+
+/// Parses `512`, `512B`, `64KiB`, `1MiB`, `1GiB` (also `KB`, `MB`, `GB` as powers of 1000).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size: write e.g. 64KiB or 1MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "'{s}' has an unknown unit '{other}': use B, KiB, MiB or GiB"
+            ));
+        }
+    };
+    n.checked_mul(mult)
+        .and_then(|v| usize::try_from(v).ok())
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation.
+// ---------------------------------------------------------------------------------------------
+
+fn not_supported(path: &str) -> ConfigError {
+    invalid(
+        path,
+        "not supported yet by this version of idemgate; remove the field",
+    )
+}
+
+fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => {
+            let d = parse_duration(s).map_err(|m| invalid(path, m))?;
+            if d.is_zero() {
+                return Err(invalid(path, "must be greater than zero"));
+            }
+            Ok(d)
+        }
+    }
+}
+
+fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(RawSize::Bytes(n)) => usize::try_from(*n).map_err(|_| invalid(path, "too large")),
+        Some(RawSize::Text(s)) => parse_size(s).map_err(|m| invalid(path, m)),
+    }
+}
+
+fn socket_addr(path: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|_| {
+        invalid(
+            path,
+            format!("'{s}' is not an address: write IP:PORT, e.g. 0.0.0.0:8080"),
+        )
+    })
+}
+
+fn methods(path: &str, list: &[String]) -> Result<Vec<Method>, ConfigError> {
+    if list.is_empty() {
+        return Err(invalid(path, "must name at least one method"));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let upper = m.to_ascii_uppercase();
+            Method::from_bytes(upper.as_bytes())
+                .map_err(|_| invalid(format!("{path}[{i}]"), format!("'{m}' is not a method")))
+        })
+        .collect()
+}
+
+fn header_name(path: &str, s: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(s.as_bytes())
+        .map_err(|_| invalid(path, format!("'{s}' is not a valid header name")))
+}
+
+fn json_pointer(path: &str, s: &str) -> Result<String, ConfigError> {
+    if !s.starts_with('/') {
+        return Err(invalid(
+            path,
+            format!("'{s}' is not a JSON pointer: it must start with '/', e.g. /event_id"),
+        ));
+    }
+    Ok(s.to_string())
+}
+
+fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let listen = socket_addr("listen", raw.listen.as_deref().unwrap_or(defaults::LISTEN))?;
+
+    let admin = match raw.admin {
+        None => None,
+        Some(a) => {
+            if a.token.is_some() {
+                return Err(not_supported("admin.token"));
+            }
+            Some(AdminConfig {
+                listen: socket_addr("admin.listen", &a.listen)?,
+            })
+        }
+    };
+
+    if raw.server.tls.is_some() {
+        return Err(not_supported("server.tls"));
+    }
+    let max_connections = raw
+        .server
+        .max_connections
+        .unwrap_or(defaults::MAX_CONNECTIONS);
+    if max_connections == 0 {
+        return Err(invalid("server.max_connections", "must be at least 1"));
+    }
+    let server = ServerConfig {
+        max_connections,
+        header_read_timeout: duration_or(
+            "server.header_read_timeout",
+            raw.server.header_read_timeout.as_ref(),
+            defaults::HEADER_READ_TIMEOUT,
+        )?,
+        shutdown_grace: duration_or(
+            "server.shutdown_grace",
+            raw.server.shutdown_grace.as_ref(),
+            defaults::SHUTDOWN_GRACE,
+        )?,
+    };
+
+    if raw.store.sqlite.is_some() {
+        return Err(not_supported("store.sqlite"));
+    }
+    let store = match raw.store.postgres {
+        None => return Err(invalid("store", "missing 'postgres'")),
+        Some(pg) => {
+            if let Some(tls) = &pg.tls {
+                match tls.mode.as_str() {
+                    "disable" => {}
+                    "require" | "verify-full" => {
+                        return Err(not_supported("store.postgres.tls.mode"));
+                    }
+                    other => {
+                        return Err(invalid(
+                            "store.postgres.tls.mode",
+                            format!("'{other}' is not one of disable, require, verify-full"),
+                        ));
+                    }
+                }
+                if tls.ca.is_some() {
+                    return Err(not_supported("store.postgres.tls.ca"));
+                }
+            }
+            if pg.url.parse::<tokio_postgres::Config>().is_err() {
+                // Never echo the URL: it may hold a password.
+                return Err(invalid(
+                    "store.postgres.url",
+                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+                ));
+            }
+            let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
+            if pool_size == 0 {
+                return Err(invalid("store.postgres.pool_size", "must be at least 1"));
+            }
+            StoreConfig::Postgres(PostgresConfig {
+                url: pg.url,
+                pool_size,
+                acquire_timeout: duration_or(
+                    "store.postgres.acquire_timeout",
+                    pg.acquire_timeout.as_ref(),
+                    defaults::ACQUIRE_TIMEOUT,
+                )?,
+                connect_timeout: duration_or(
+                    "store.postgres.connect_timeout",
+                    pg.connect_timeout.as_ref(),
+                    defaults::PG_CONNECT_TIMEOUT,
+                )?,
+                statement_timeout: duration_or(
+                    "store.postgres.statement_timeout",
+                    pg.statement_timeout.as_ref(),
+                    defaults::STATEMENT_TIMEOUT,
+                )?,
+            })
+        }
+    };
+
+    let mut upstreams = BTreeMap::new();
+    for (name, up) in raw.upstreams {
+        let base = format!("upstreams.{name}");
+        if up.tls.is_some() {
+            return Err(not_supported(&format!("{base}.tls")));
+        }
+        let url: http::Uri = up
+            .url
+            .parse()
+            .map_err(|_| invalid(format!("{base}.url"), format!("'{}' is not a URL", up.url)))?;
+        match url.scheme_str() {
+            Some("http") => {}
+            Some("https") => return Err(not_supported(&format!("{base}.url (https)"))),
+            _ => {
+                return Err(invalid(
+                    format!("{base}.url"),
+                    "must start with http://, e.g. http://127.0.0.1:9000",
+                ));
+            }
+        }
+        if url.authority().is_none() {
+            return Err(invalid(format!("{base}.url"), "has no host"));
+        }
+        if url.query().is_some() {
+            return Err(invalid(format!("{base}.url"), "must not have a query"));
+        }
+        upstreams.insert(
+            name.clone(),
+            UpstreamConfig {
+                name: name.clone(),
+                url,
+                connect_timeout: duration_or(
+                    &format!("{base}.connect_timeout"),
+                    up.connect_timeout.as_ref(),
+                    defaults::UPSTREAM_CONNECT_TIMEOUT,
+                )?,
+                timeout: duration_or(
+                    &format!("{base}.timeout"),
+                    up.timeout.as_ref(),
+                    defaults::UPSTREAM_TIMEOUT,
+                )?,
+            },
+        );
+    }
+
+    if raw.routes.is_empty() {
+        return Err(invalid("routes", "must list at least one route"));
+    }
+    let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
+    for (i, r) in raw.routes.into_iter().enumerate() {
+        let base = format!("routes[{i}]");
+        if r.name.is_empty() {
+            return Err(invalid(format!("{base}.name"), "must not be empty"));
+        }
+        if routes.iter().any(|other| other.name == r.name) {
+            return Err(invalid(
+                format!("{base}.name"),
+                format!("route name '{}' is used twice", r.name),
+            ));
+        }
+        let upstream = upstreams.get(&r.upstream).ok_or_else(|| {
+            let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+            invalid(
+                format!("{base}.upstream"),
+                format!(
+                    "no upstream named '{}' (known: {})",
+                    r.upstream,
+                    known.join(", ")
+                ),
+            )
+        })?;
+        let path = match (r.matcher.path, r.matcher.path_prefix) {
+            (Some(p), None) => PathMatch::Exact(p),
+            (None, Some(p)) => PathMatch::Prefix(p),
+            _ => {
+                return Err(invalid(
+                    format!("{base}.match"),
+                    "give exactly one of 'path' or 'path_prefix'",
+                ));
+            }
+        };
+        let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
+        if !p.starts_with('/') {
+            return Err(invalid(
+                format!("{base}.match"),
+                "paths must start with '/'",
+            ));
+        }
+        let route_methods = match &r.matcher.methods {
+            None => None,
+            Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
+        };
+        let idempotency = match r.idempotency {
+            None => None,
+            Some(idem) => Some(validate_idempotency(
+                &format!("{base}.idempotency"),
+                idem,
+                upstream,
+            )?),
+        };
+        routes.push(Route {
+            name: r.name,
+            path,
+            methods: route_methods,
+            upstream: r.upstream,
+            idempotency,
+        });
+    }
+
+    Ok(Config {
+        listen,
+        admin,
+        server,
+        store,
+        upstreams,
+        routes,
+    })
+}
+
+fn validate_idempotency(
+    base: &str,
+    raw: RawIdempotency,
+    upstream: &UpstreamConfig,
+) -> Result<Idempotency, ConfigError> {
+    if raw.serialize.is_some() {
+        return Err(not_supported(&format!("{base}.serialize")));
+    }
+    let key = match raw.key {
+        None => vec![KeySource::Header(HeaderName::from_static(
+            defaults::KEY_HEADER,
+        ))],
+        Some(list) if list.is_empty() => {
+            return Err(invalid(
+                format!("{base}.key"),
+                "must list at least one source",
+            ));
+        }
+        Some(list) => list
+            .into_iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let p = format!("{base}.key[{i}]");
+                Ok(match k {
+                    RawKeySource::Header(h) => KeySource::Header(header_name(&p, &h)?),
+                    RawKeySource::Json(ptr) => KeySource::Json(json_pointer(&p, &ptr)?),
+                })
+            })
+            .collect::<Result<_, ConfigError>>()?,
+    };
+    let scope_path = format!("{base}.scope");
+    let scope = match raw.scope {
+        None => ScopeSource::Fixed("default".into()),
+        Some(RawScope::Header(h)) => ScopeSource::Header(header_name(&scope_path, &h)?),
+        Some(RawScope::Json(p)) => ScopeSource::Json(json_pointer(&scope_path, &p)?),
+        Some(RawScope::Authorization(true)) => ScopeSource::Authorization,
+        Some(RawScope::Authorization(false)) => {
+            return Err(invalid(
+                scope_path,
+                "'authorization: false' means nothing: choose header, json, authorization: true or fixed",
+            ));
+        }
+        Some(RawScope::Fixed(name)) => {
+            if name.is_empty() || name.len() > 255 {
+                return Err(invalid(scope_path, "a fixed scope must be 1-255 bytes"));
+            }
+            ScopeSource::Fixed(name)
+        }
+    };
+    let idem_methods = match &raw.methods {
+        None => defaults::METHODS
+            .iter()
+            .map(|m| Method::from_bytes(m.as_bytes()).expect("static method"))
+            .collect(),
+        Some(list) => methods(&format!("{base}.methods"), list)?,
+    };
+    let fp = raw.fingerprint.unwrap_or_default();
+    let fingerprint = FingerprintConfig {
+        headers: fp
+            .headers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| header_name(&format!("{base}.fingerprint.headers[{i}]"), h))
+            .collect::<Result<_, _>>()?,
+        json_canonical: fp.json_canonical,
+        json_ignore: fp
+            .json_ignore
+            .iter()
+            .enumerate()
+            .map(|(i, p)| json_pointer(&format!("{base}.fingerprint.json_ignore[{i}]"), p))
+            .collect::<Result<_, _>>()?,
+    };
+    if !fingerprint.json_ignore.is_empty() && !fingerprint.json_canonical {
+        return Err(invalid(
+            format!("{base}.fingerprint.json_ignore"),
+            "needs 'json_canonical: true' (fields can only be ignored in a parsed body)",
+        ));
+    }
+    let ttl = duration_or(&format!("{base}.ttl"), raw.ttl.as_ref(), defaults::TTL)?;
+    let lease = duration_or(
+        &format!("{base}.lease"),
+        raw.lease.as_ref(),
+        upstream.timeout + defaults::LEASE_MARGIN,
+    )?;
+    if lease <= upstream.timeout {
+        return Err(invalid(
+            format!("{base}.lease"),
+            format!(
+                "must be longer than upstream '{}' timeout ({})",
+                upstream.name,
+                fmt_duration(upstream.timeout)
+            ),
+        ));
+    }
+    if ttl < lease {
+        return Err(invalid(
+            format!("{base}.ttl"),
+            format!(
+                "must not be shorter than the lease ({})",
+                fmt_duration(lease)
+            ),
+        ));
+    }
+    let retry_statuses = match raw.retry_statuses {
+        None => StatusSet(defaults::RETRY_STATUSES.to_vec()),
+        Some(list) => StatusSet(
+            list.into_iter()
+                .enumerate()
+                .map(|(i, s)| status_range(&format!("{base}.retry_statuses[{i}]"), s))
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    let replay_headers = match raw.replay_headers {
+        None => defaults::REPLAY_HEADERS
+            .iter()
+            .map(|h| HeaderName::from_static(h))
+            .collect(),
+        Some(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let p = format!("{base}.replay_headers[{i}]");
+                let name = header_name(&p, h)?;
+                if crate::forward::is_hop_by_hop(&name) {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' is a hop-by-hop header and is never stored"),
+                    ));
+                }
+                Ok(name)
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let forward_key_header = header_name(
+        &format!("{base}.forward_key_header"),
+        raw.forward_key_header
+            .as_deref()
+            .unwrap_or(defaults::KEY_HEADER),
+    )?;
+    let max_stored_response = size_or(
+        &format!("{base}.max_stored_response"),
+        raw.max_stored_response.as_ref(),
+        defaults::MAX_STORED_RESPONSE,
+    )?;
+    Ok(Idempotency {
+        key,
+        scope,
+        required: raw.required.unwrap_or(false),
+        methods: idem_methods,
+        fingerprint,
+        ttl,
+        lease,
+        in_flight: raw.in_flight.unwrap_or(InFlight::Wait),
+        wait_timeout: duration_or(
+            &format!("{base}.wait_timeout"),
+            raw.wait_timeout.as_ref(),
+            defaults::WAIT_TIMEOUT,
+        )?,
+        retry_statuses,
+        on_unknown_outcome: raw
+            .on_unknown_outcome
+            .unwrap_or(OnUnknownOutcome::Reforward),
+        on_store_error: raw.on_store_error.unwrap_or(OnStoreError::Reject),
+        max_request_body: size_or(
+            &format!("{base}.max_request_body"),
+            raw.max_request_body.as_ref(),
+            defaults::MAX_REQUEST_BODY,
+        )?,
+        max_stored_response,
+        replay_headers,
+        forward_key_header,
+    })
+}
+
+fn status_range(path: &str, s: RawStatus) -> Result<(u16, u16), ConfigError> {
+    let check = |n: u16| {
+        if (100..=599).contains(&n) {
+            Ok(n)
+        } else {
+            Err(invalid(
+                path,
+                format!("{n} is not an HTTP status (100-599)"),
+            ))
+        }
+    };
+    match s {
+        RawStatus::Code(n) => Ok((check(n)?, n)),
+        RawStatus::Range(text) => {
+            let bad = || {
+                invalid(
+                    path,
+                    format!("'{text}' is not a status or a range like 500-599"),
+                )
+            };
+            let (lo, hi) = match text.split_once('-') {
+                Some((a, b)) => (a.trim(), b.trim()),
+                None => (text.trim(), text.trim()),
+            };
+            let lo = check(lo.parse().map_err(|_| bad())?)?;
+            let hi = check(hi.parse().map_err(|_| bad())?)?;
+            if lo > hi {
+                return Err(bad());
+            }
+            Ok((lo, hi))
+        }
+    }
+}
+
+/// Formats a duration the way the config writes it.
+pub fn fmt_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 3_600_000 == 0 && ms > 0 {
+        format!("{}h", ms / 3_600_000)
+    } else if ms % 60_000 == 0 && ms > 0 {
+        format!("{}m", ms / 60_000)
+    } else if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+store: { postgres: { url: "postgres://u@localhost/db" } }
+upstreams: { app: { url: "http://127.0.0.1:9000", timeout: 30s } }
+routes:
+  - name: r
+    match: { path_prefix: / }
+    upstream: app
+    idempotency: {}
+"#;
+
+    fn err(yaml: &str) -> String {
+        Config::from_yaml_with_env(yaml, &|_| None)
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        let idem = c.routes[0].idempotency.as_ref().unwrap();
+        assert_eq!(idem.lease, Duration::from_secs(45));
+        assert_eq!(idem.ttl, Duration::from_secs(86400));
+        assert_eq!(idem.methods, vec![Method::POST, Method::PATCH]);
+        assert!(idem.retry_statuses.contains(503));
+        assert!(idem.retry_statuses.contains(429));
+        assert!(!idem.retry_statuses.contains(404));
+        assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
+    }
+
+    #[test]
+    fn lease_not_longer_than_timeout_names_the_path() {
+        let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { lease: 30s }");
+        assert_eq!(
+            err(&yaml),
+            "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s)"
+        );
+    }
+
+    #[test]
+    fn unknown_fields_name_their_path() {
+        let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { leese: 30s }");
+        let e = err(&yaml);
+        assert!(
+            e.starts_with("routes[0].idempotency: unknown field `leese`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn later_features_are_rejected_not_ignored() {
+        let yaml = MINIMAL.replace(
+            "idempotency: {}",
+            "idempotency: { serialize: { max_in_flight: 1 } }",
+        );
+        assert!(err(&yaml).contains("routes[0].idempotency.serialize: not supported yet"));
+        let yaml = format!("{MINIMAL}server: {{ tls: {{ cert: a, key: b }} }}\n");
+        assert!(err(&yaml).contains("server.tls: not supported yet"));
+    }
+
+    #[test]
+    fn env_vars_are_interpolated_and_unset_ones_are_named() {
+        let yaml = MINIMAL.replace("postgres://u@localhost/db", "${DB_URL}");
+        let c = Config::from_yaml_with_env(&yaml, &|n| {
+            (n == "DB_URL").then(|| "postgres://x@h/d".to_string())
+        })
+        .unwrap();
+        let StoreConfig::Postgres(pg) = &c.store;
+        assert_eq!(pg.url, "postgres://x@h/d");
+        assert_eq!(
+            err(&yaml),
+            "store.postgres.url: environment variable DB_URL is not set"
+        );
+    }
+
+    #[test]
+    fn durations_and_sizes_parse() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("24h").unwrap(), Duration::from_secs(86400));
+        assert!(parse_duration("10").is_err());
+        assert!(parse_duration("10x").is_err());
+        assert_eq!(parse_size("64KiB").unwrap(), 65536);
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("1ZiB").is_err());
+    }
+
+    #[test]
+    fn status_ranges_parse() {
+        let yaml = MINIMAL.replace(
+            "idempotency: {}",
+            "idempotency: { retry_statuses: [409, 500-502] }",
+        );
+        let c = Config::from_yaml(&yaml).unwrap();
+        let s = &c.routes[0].idempotency.as_ref().unwrap().retry_statuses;
+        assert!(s.contains(409) && s.contains(501) && !s.contains(503) && !s.contains(500 - 1));
+        let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { retry_statuses: [600] }");
+        assert!(err(&yaml).contains("routes[0].idempotency.retry_statuses[0]: 600"));
+    }
+
+    #[test]
+    fn unknown_upstream_is_named() {
+        let yaml = MINIMAL.replace("upstream: app", "upstream: nope");
+        assert_eq!(
+            err(&yaml),
+            "routes[0].upstream: no upstream named 'nope' (known: app)"
+        );
+    }
+}

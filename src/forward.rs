@@ -1,0 +1,239 @@
+//! The upstream side: one pooled keep-alive client per upstream, header hygiene, timeouts.
+//!
+//! Outbound requests lose their hop-by-hop headers (RFC 9110 section 7.6.1: the fixed list
+//! and every header named in `Connection`) and their `Host` (the client sets the upstream's
+//! authority), and gain `X-Forwarded-For/-Proto/-Host`. Responses lose their hop-by-hop
+//! headers on the way back. Failures are classified by what they mean for the key:
+//! [`UpstreamError::Connect`] means the request never left (safe to release),
+//! [`UpstreamError::Timeout`] and [`UpstreamError::Failed`] mean it may have been processed.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, Uri, Version};
+use http_body_util::BodyExt;
+use http_body_util::combinators::UnsyncBoxBody;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::UpstreamConfig;
+
+/// Boxed error for bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body type used on both sides of the proxy.
+pub type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// A body from bytes.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    http_body_util::Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+/// A streamed body from a hyper body.
+pub fn stream(body: Incoming) -> Body {
+    body.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
+}
+
+/// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(&name.as_str())
+}
+
+/// Removes hop-by-hop headers, including every header named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Why a forward failed.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// The request never reached the upstream (refused, DNS, connect timeout).
+    #[error("connect: {0}")]
+    Connect(String),
+    /// No complete answer within the upstream's `timeout`; it may have been processed.
+    #[error("timed out")]
+    Timeout,
+    /// The connection failed after the request was sent; it may have been processed.
+    #[error("failed: {0}")]
+    Failed(String),
+}
+
+/// One client per upstream, sharing nothing but the executor.
+pub struct Upstreams {
+    clients: HashMap<String, UpstreamClient>,
+}
+
+pub struct UpstreamClient {
+    pub config: UpstreamConfig,
+    client: Client<HttpConnector, Body>,
+}
+
+impl Upstreams {
+    pub fn new<'a>(configs: impl IntoIterator<Item = &'a UpstreamConfig>) -> Upstreams {
+        let clients = configs
+            .into_iter()
+            .map(|cfg| {
+                let mut connector = HttpConnector::new();
+                connector.set_connect_timeout(Some(cfg.connect_timeout));
+                connector.set_nodelay(true);
+                let client = Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(60))
+                    .build(connector);
+                (
+                    cfg.name.clone(),
+                    UpstreamClient {
+                        config: cfg.clone(),
+                        client,
+                    },
+                )
+            })
+            .collect();
+        Upstreams { clients }
+    }
+
+    pub fn get(&self, name: &str) -> Option<&UpstreamClient> {
+        self.clients.get(name)
+    }
+}
+
+/// What the gateway knows about the client side of a request.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientInfo {
+    pub addr: SocketAddr,
+    pub tls: bool,
+}
+
+impl UpstreamClient {
+    /// Builds the outbound request: upstream URI, clean headers, forwarding headers, and the
+    /// idempotency key under `forward_key`.
+    pub fn prepare(
+        &self,
+        mut parts: http::request::Parts,
+        body: Body,
+        client: ClientInfo,
+        forward_key: Option<(&HeaderName, &str)>,
+    ) -> Request<Body> {
+        let base = &self.config.url;
+        let pq = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/");
+        let prefix = base.path().trim_end_matches('/');
+        let mut uri = String::with_capacity(64 + pq.len());
+        uri.push_str(base.scheme_str().unwrap_or("http"));
+        uri.push_str("://");
+        uri.push_str(base.authority().map(|a| a.as_str()).unwrap_or(""));
+        uri.push_str(prefix);
+        uri.push_str(pq);
+        let uri: Uri = uri.parse().unwrap_or_else(|_| base.clone());
+
+        let host = parts.headers.get(header::HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        let headers = &mut parts.headers;
+        strip_hop_by_hop(headers);
+        headers.remove(header::HOST);
+        let ip = client.addr.ip().to_string();
+        let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+            Some(prev) => format!("{prev}, {ip}"),
+            None => ip,
+        };
+        if let Ok(v) = HeaderValue::from_str(&xff) {
+            headers.insert("x-forwarded-for", v);
+        }
+        headers.insert(
+            "x-forwarded-proto",
+            HeaderValue::from_static(if client.tls { "https" } else { "http" }),
+        );
+        if let Some(host) = host {
+            headers.insert("x-forwarded-host", host);
+        }
+        if let Some((name, key)) = forward_key
+            && let Ok(v) = HeaderValue::from_str(key)
+        {
+            headers.insert(name.clone(), v);
+        }
+        parts.uri = uri;
+        parts.version = Version::HTTP_11;
+        Request::from_parts(parts, body)
+    }
+
+    /// Sends a request and waits for the response head, bounded by the upstream's `timeout`.
+    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
+            Err(_) => Err(UpstreamError::Timeout),
+            Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(UpstreamError::Connect(error_chain(&e))),
+            Ok(Err(e)) => Err(UpstreamError::Failed(error_chain(&e))),
+        }
+    }
+}
+
+/// Cleans an upstream response's headers for the client.
+pub fn clean_response_headers(headers: &mut HeaderMap) {
+    strip_hop_by_hop(headers);
+}
+
+/// An error and its causes on one line, for logs.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_named_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", "close, x-secret".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("te", "trailers".parse().unwrap());
+        h.insert("content-type", "text/plain".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1);
+        assert!(h.contains_key("content-type"));
+    }
+}

@@ -1,0 +1,456 @@
+//! One request: route → key/scope → fingerprint → claim → forward or replay (SPEC section 2).
+//!
+//! [`Gateway::handle`] never fails: it calls [`Gateway::route_request`], which returns a
+//! `Result`, and turns an error into a problem response, logging it once with its cause.
+//!
+//! Invariants:
+//! - Nothing keyed is forwarded without a claim, except with `on_store_error: pass_through`
+//!   (answered with `Idempotency-Status: bypassed`).
+//! - The forward and the write of its outcome run in a spawned task: a client that hangs up
+//!   does not cancel the upstream call, and the outcome is still recorded.
+//! - A storable first answer is committed before it is sent (guarantee 3). If it cannot be
+//!   committed, the client gets 503 and the key stays in flight until its lease ends.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use tokio::time::Instant;
+
+use crate::config::Idempotency;
+use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
+use crate::fingerprint::fingerprint;
+use crate::forward::{
+    Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
+    stream,
+};
+use crate::key::{JsonBody, KeyScope, extract};
+use crate::problem::GatewayError;
+use crate::replay::StoredResponse;
+use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
+
+/// Response header on answers forwarded without idempotency because the store was down.
+pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
+
+/// Longest pause between two polls of an in-flight key.
+const MAX_POLL: Duration = Duration::from_millis(250);
+
+/// Everything a request needs, shared by all connections.
+pub struct Gateway {
+    config: Arc<Config>,
+    store: Arc<dyn Store>,
+    upstreams: Upstreams,
+}
+
+impl Gateway {
+    pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Gateway {
+        let upstreams = Upstreams::new(config.upstreams.values());
+        Gateway {
+            config,
+            store,
+            upstreams,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Serves one request; never fails.
+    pub async fn handle(
+        self: Arc<Self>,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Response<Body> {
+        let method = req.method().clone();
+        let path = req.uri().path().to_string();
+        match self.route_request(req, client).await {
+            Ok(resp) => resp,
+            Err(err) => {
+                let problem = err.problem();
+                if problem.status.is_server_error() {
+                    tracing::warn!(%method, %path, status = problem.status.as_u16(), error = %err, "request failed");
+                } else {
+                    tracing::debug!(%method, %path, status = problem.status.as_u16(), error = %err, "request refused");
+                }
+                problem.into_response()
+            }
+        }
+    }
+
+    async fn route_request(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Result<Response<Body>, GatewayError> {
+        let path = req.uri().path();
+        let route = self
+            .config
+            .routes
+            .iter()
+            .position(|r| r.matches(req.method(), path))
+            .ok_or(GatewayError::NoRoute)?;
+        let route = &self.config.routes[route];
+        let upstream = self
+            .upstreams
+            .get(&route.upstream)
+            .expect("validated config: every route names an upstream");
+        match &route.idempotency {
+            Some(idem) if idem.methods.contains(req.method()) => {
+                self.keyed(route, idem, upstream, req, client).await
+            }
+            _ => {
+                let (parts, body) = req.into_parts();
+                let out = upstream.prepare(parts, stream(body), client, None);
+                proxy(upstream, out).await
+            }
+        }
+    }
+
+    async fn keyed(
+        self: &Arc<Self>,
+        route: &Route,
+        idem: &Idempotency,
+        upstream: &UpstreamClient,
+        req: Request<Incoming>,
+        client: ClientInfo,
+    ) -> Result<Response<Body>, GatewayError> {
+        let (parts, body) = req.into_parts();
+        let body = read_body(&parts.headers, body, idem.max_request_body).await?;
+        let mut json = JsonBody::new(&body);
+        let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
+            // No key and none required: a plain forward.
+            let out = upstream.prepare(parts, full(body), client, None);
+            return proxy(upstream, out).await;
+        };
+        let json_value = if idem.fingerprint.json_canonical {
+            Some(json.get()?)
+        } else {
+            None
+        };
+        let pq = parts
+            .uri
+            .path_and_query()
+            .map(|pq| pq.as_str())
+            .unwrap_or("/");
+        let fp = fingerprint(
+            &idem.fingerprint,
+            &parts.method,
+            &route.name,
+            pq,
+            &parts.headers,
+            &body,
+            json_value,
+        )?;
+        let claim = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            route: &route.name,
+            fingerprint: &fp,
+            lease: idem.lease,
+            ttl: idem.ttl,
+        };
+
+        let deadline = Instant::now() + idem.wait_timeout;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            let found = match self.store.claim(claim).await {
+                Ok(found) => found,
+                Err(e) => {
+                    if idem.on_store_error == OnStoreError::PassThrough {
+                        tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
+                        let out = upstream.prepare(parts, full(body), client, None);
+                        let mut resp = proxy(upstream, out).await?;
+                        resp.headers_mut()
+                            .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                        return Ok(resp);
+                    }
+                    return Err(e.into());
+                }
+            };
+            match found {
+                Claim::Acquired { token, took_over } => {
+                    if took_over {
+                        tracing::warn!(route = %route.name, "took over an expired lease: the earlier attempt's outcome is unknown");
+                    }
+                    let job = ForwardJob {
+                        gateway: Arc::clone(self),
+                        route: route.name.clone(),
+                        scope: scope.clone(),
+                        key: key.clone(),
+                        token,
+                    };
+                    let request = upstream.prepare(
+                        parts,
+                        full(body),
+                        client,
+                        Some((&idem.forward_key_header, &key)),
+                    );
+                    return job.spawn(request).await;
+                }
+                Claim::Completed(stored) => return Ok(stored.to_replay()),
+                Claim::Mismatch => return Err(GatewayError::FingerprintMismatch),
+                Claim::Held => return Err(GatewayError::OutcomeUnknown),
+                Claim::NotReplayable { .. } => return Err(GatewayError::NotReplayable),
+                Claim::InFlight => {
+                    let now = Instant::now();
+                    if idem.in_flight == InFlight::Reject || now >= deadline {
+                        return Err(GatewayError::InFlight {
+                            retry_after: Duration::from_secs(1),
+                        });
+                    }
+                    tokio::time::sleep(pause.min(deadline - now)).await;
+                    pause = (pause * 2).min(MAX_POLL);
+                }
+            }
+        }
+    }
+
+    fn route_config(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
+        let route = self.config.routes.iter().find(|r| r.name == name)?;
+        let idem = route.idempotency.as_ref()?;
+        let upstream = self.upstreams.get(&route.upstream)?;
+        Some((route, idem, upstream))
+    }
+}
+
+/// Reads a keyed request's body up to `limit`: by `Content-Length` up front, then by count.
+async fn read_body(
+    headers: &http::HeaderMap,
+    body: Incoming,
+    limit: usize,
+) -> Result<Bytes, GatewayError> {
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Err(GatewayError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(GatewayError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(GatewayError::BodyRead(e.to_string())),
+    }
+}
+
+/// A plain forward: the response streams back, bounded by the timeout on its head.
+async fn proxy(
+    upstream: &UpstreamClient,
+    req: Request<Body>,
+) -> Result<Response<Body>, GatewayError> {
+    match upstream.send(req).await {
+        Ok(resp) => {
+            let (mut parts, body) = resp.into_parts();
+            clean_response_headers(&mut parts.headers);
+            Ok(Response::from_parts(parts, stream(body)))
+        }
+        Err(UpstreamError::Connect(e)) => Err(GatewayError::UpstreamUnavailable(e)),
+        Err(UpstreamError::Timeout) => Err(GatewayError::UpstreamTimeout),
+        Err(UpstreamError::Failed(e)) => Err(GatewayError::UpstreamFailed(e)),
+    }
+}
+
+/// A claimed request on its way to the upstream, detached from the client connection.
+struct ForwardJob {
+    gateway: Arc<Gateway>,
+    route: String,
+    scope: String,
+    key: String,
+    token: LeaseToken,
+}
+
+/// How many times a completion is attempted before the client is told it failed.
+const FINISH_ATTEMPTS: u32 = 3;
+
+impl ForwardJob {
+    /// Runs the job in its own task and waits for its answer. If the client goes away, the
+    /// task goes on and still records the outcome.
+    async fn spawn(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let result = self.run(request).await;
+            let _ = tx.send(result);
+        });
+        rx.await.unwrap_or_else(|_| {
+            Err(GatewayError::StoreAfterForward(StoreError::Db(
+                "forward task ended without an answer".into(),
+            )))
+        })
+    }
+
+    async fn run(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
+        let (_, idem, upstream) = self
+            .gateway
+            .route_config(&self.route)
+            .expect("the route of a claimed request exists");
+        let started = Instant::now();
+        let limit = idem.max_stored_response;
+        let exchange = async {
+            let resp = upstream.send(request).await?;
+            let (parts, body) = resp.into_parts();
+            if idem.retry_statuses.contains(parts.status.as_u16()) {
+                return Ok((parts, Captured::PassOn(body)));
+            }
+            let captured = read_capped(body, limit).await?;
+            Ok::<_, UpstreamError>((parts, captured))
+        };
+        let result = match tokio::time::timeout(upstream.config.timeout, exchange).await {
+            Ok(r) => r,
+            Err(_) => Err(UpstreamError::Timeout),
+        };
+        match result {
+            Err(UpstreamError::Connect(e)) => {
+                self.finish(Outcome::Release, idem.ttl).await.ok();
+                Err(GatewayError::UpstreamUnavailable(e))
+            }
+            Err(e) => {
+                let outcome = match idem.on_unknown_outcome {
+                    OnUnknownOutcome::Reforward => Outcome::Release,
+                    OnUnknownOutcome::Hold => Outcome::Unknown,
+                };
+                if let Err(se) = self.finish(outcome, idem.ttl).await {
+                    tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
+                }
+                Err(match e {
+                    UpstreamError::Timeout => GatewayError::UpstreamTimeout,
+                    UpstreamError::Failed(msg) | UpstreamError::Connect(msg) => {
+                        GatewayError::UpstreamFailed(msg)
+                    }
+                })
+            }
+            Ok((mut parts, Captured::PassOn(body))) => {
+                // A retryable status: release, so a retry forwards again, then pass it on.
+                if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                    tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
+                }
+                clean_response_headers(&mut parts.headers);
+                Ok(Response::from_parts(parts, stream(body)))
+            }
+            Ok((mut parts, Captured::Whole(bytes))) => {
+                let stored = StoredResponse::capture(
+                    parts.status,
+                    &parts.headers,
+                    &idem.replay_headers,
+                    bytes.clone(),
+                );
+                self.record(Outcome::Completed(stored), idem.ttl).await?;
+                tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
+                clean_response_headers(&mut parts.headers);
+                Ok(Response::from_parts(parts, full(bytes)))
+            }
+            Ok((mut parts, Captured::TooLarge { head, rest })) => {
+                self.record(
+                    Outcome::NotReplayable {
+                        status: parts.status.as_u16(),
+                    },
+                    idem.ttl,
+                )
+                .await?;
+                clean_response_headers(&mut parts.headers);
+                let body = Prefixed {
+                    head: Some(head),
+                    rest,
+                };
+                Ok(Response::from_parts(parts, body.boxed_unsync()))
+            }
+        }
+    }
+
+    /// Records a final outcome, retried a little; the answer depends on it (guarantee 3).
+    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<(), GatewayError> {
+        let mut last = None;
+        for attempt in 0..FINISH_ATTEMPTS {
+            match self.finish(outcome.clone(), ttl).await {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+        Err(GatewayError::StoreAfterForward(
+            last.expect("at least one attempt failed"),
+        ))
+    }
+
+    /// One fenced write. A lost lease is logged and otherwise treated as written: our client
+    /// still gets what the upstream said.
+    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<(), StoreError> {
+        let written = self
+            .gateway
+            .store
+            .finish(&self.scope, &self.key, &self.token, outcome, ttl)
+            .await?;
+        if !written {
+            tracing::warn!(route = %self.route, "lease lost: another attempt took this key over; not recorded");
+        }
+        Ok(())
+    }
+}
+
+/// An upstream body, read as far as the store limit allows.
+enum Captured {
+    /// A retryable status: not read at all.
+    PassOn(Incoming),
+    /// The whole body, within the limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, and the rest still streaming.
+    TooLarge { head: Bytes, rest: Incoming },
+}
+
+async fn read_capped(mut body: Incoming, limit: usize) -> Result<Captured, UpstreamError> {
+    use hyper::body::Body as _;
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                return Ok(Captured::TooLarge {
+                    head: buf.freeze(),
+                    rest: body,
+                });
+            }
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    Ok(Captured::Whole(buf.freeze()))
+}
+
+/// A body that yields bytes already read, then the rest of an upstream body.
+struct Prefixed {
+    head: Option<Bytes>,
+    rest: Incoming,
+}
+
+impl hyper::body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = crate::forward::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        if let Some(head) = self.head.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
+        }
+        std::pin::Pin::new(&mut self.rest)
+            .poll_frame(cx)
+            .map_err(|e| Box::new(e) as Self::Error)
+    }
+}

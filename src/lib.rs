@@ -1,0 +1,30 @@
+//! idemgate: an idempotency gateway in front of any HTTP upstream.
+//!
+//! The modules, in the order a request meets them:
+//!
+//! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
+//! - [`server`]: listener, connection limit, header read timeout, graceful shutdown.
+//! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
+//! - [`key`]: key and scope extraction and validation.
+//! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
+//! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
+//!   Postgres implementation with its SQL and migrations.
+//! - [`forward`]: upstream clients, header hygiene, timeouts.
+//! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
+//! - [`problem`]: every client-visible error and the one status table.
+//! - [`admin`]: health, readiness and the key API on `admin.listen`.
+//! - [`commands`]: what each CLI verb does (`main.rs` only parses arguments).
+
+#![forbid(unsafe_code)]
+
+pub mod admin;
+pub mod commands;
+pub mod config;
+pub mod fingerprint;
+pub mod forward;
+pub mod gateway;
+pub mod key;
+pub mod problem;
+pub mod replay;
+pub mod server;
+pub mod store;

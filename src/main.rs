@@ -1,0 +1,117 @@
+//! The `idemgate` binary: parses the command line and calls into the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use idemgate::commands::{self, CommandError};
+
+#[derive(Parser)]
+#[command(
+    name = "idemgate",
+    version,
+    about = "An idempotency gateway: makes retries of non-idempotent HTTP calls safe"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a config file and print the resolved routes (exit 0 or 64).
+    Check {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Apply database migrations and exit.
+    Migrate {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Inspect or release stored keys.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Show one key's row.
+    Show {
+        #[arg(long, short)]
+        config: PathBuf,
+        #[arg(long)]
+        scope: String,
+        #[arg(long)]
+        key: String,
+    },
+    /// Delete one key's row, whatever its state (releases a held or stuck key).
+    Delete {
+        #[arg(long, short)]
+        config: PathBuf,
+        #[arg(long)]
+        scope: String,
+        #[arg(long)]
+        key: String,
+    },
+}
+
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("idemgate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result: Result<(), CommandError> = runtime.block_on(async {
+        match cli.command {
+            Command::Serve { config } => commands::serve(&config).await,
+            Command::Check { config } => {
+                print!("{}", commands::check(&config)?);
+                Ok(())
+            }
+            Command::Migrate { config } => {
+                let n = commands::migrate(&config).await?;
+                println!("applied {n} migration(s)");
+                Ok(())
+            }
+            Command::Keys { command } => match command {
+                KeysCommand::Show { config, scope, key } => {
+                    println!("{}", commands::keys_show(&config, &scope, &key).await?);
+                    Ok(())
+                }
+                KeysCommand::Delete { config, scope, key } => {
+                    commands::keys_delete(&config, &scope, &key).await?;
+                    println!("deleted key '{key}' in scope '{scope}'");
+                    Ok(())
+                }
+            },
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("idemgate: {e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Every client-visible error, and the one table that maps it to a status (SPEC section 3).
+//!
+//! [`GatewayError`] is what the request path returns; [`GatewayError::problem`] is the only
+//! place that decides a status, as an exhaustive `match` without a `_` arm, so a new variant
+//! cannot be forgotten. Bodies are RFC 9457 `application/problem+json`; the `detail` text is
+//! written here for the client and never carries SQL, stack traces or upstream error text
+//! (those go to the log, once, in `gateway::handle`).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+use crate::forward::{Body, full};
+use crate::store::StoreError;
+
+/// A failure on the request path, by whom it was caused.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    #[error("no route matches")]
+    NoRoute,
+    #[error("idempotency key missing")]
+    KeyMissing,
+    #[error("idempotency key invalid: {0}")]
+    KeyInvalid(&'static str),
+    #[error("scope missing")]
+    ScopeMissing { unauthorized: bool },
+    #[error("scope invalid: {0}")]
+    ScopeInvalid(&'static str),
+    #[error("body is not JSON")]
+    BodyNotJson,
+    #[error("request body over {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("reading the request body failed: {0}")]
+    BodyRead(String),
+    #[error("same key, different request")]
+    FingerprintMismatch,
+    #[error("a request with this key is in flight")]
+    InFlight { retry_after: Duration },
+    #[error("store unavailable: {0}")]
+    Store(#[from] StoreError),
+    #[error("the upstream answered but the answer could not be stored: {0}")]
+    StoreAfterForward(StoreError),
+    #[error("upstream not reachable: {0}")]
+    UpstreamUnavailable(String),
+    #[error("upstream failed after the request was sent: {0}")]
+    UpstreamFailed(String),
+    #[error("upstream timed out")]
+    UpstreamTimeout,
+    #[error("the outcome of the first request is unknown; the key is held")]
+    OutcomeUnknown,
+    #[error("the stored response was too large to replay")]
+    NotReplayable,
+}
+
+/// A rendered problem: status, slug, title, detail and an optional `Retry-After`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub status: StatusCode,
+    pub slug: &'static str,
+    pub title: &'static str,
+    pub detail: String,
+    pub retry_after: Option<Duration>,
+}
+
+impl GatewayError {
+    /// The one status table (SPEC section 3).
+    pub fn problem(&self) -> Problem {
+        use GatewayError as E;
+        let (status, slug, title, detail, retry_after): (u16, _, _, String, _) = match self {
+            E::NoRoute => (
+                404,
+                "no-route",
+                "No route",
+                "No route matches this method and path.".into(),
+                None,
+            ),
+            E::KeyMissing => (
+                400,
+                "key-missing",
+                "Idempotency key missing",
+                "This endpoint requires an idempotency key.".into(),
+                None,
+            ),
+            E::KeyInvalid(why) => (
+                400,
+                "key-invalid",
+                "Idempotency key invalid",
+                format!("The idempotency key {why}."),
+                None,
+            ),
+            E::ScopeMissing { unauthorized } => (
+                if *unauthorized { 401 } else { 400 },
+                "scope-missing",
+                "Scope missing",
+                if *unauthorized {
+                    "This endpoint requires an Authorization header.".into()
+                } else {
+                    "The request does not say whose key this is (scope missing).".into()
+                },
+                None,
+            ),
+            E::ScopeInvalid(why) => (
+                400,
+                "scope-invalid",
+                "Scope invalid",
+                format!("The scope {why}."),
+                None,
+            ),
+            E::BodyNotJson => (
+                400,
+                "body-not-json",
+                "Body is not JSON",
+                "The idempotency key, scope or fingerprint is read from a JSON body, and this body is not valid JSON.".into(),
+                None,
+            ),
+            E::BodyTooLarge { limit } => (
+                413,
+                "body-too-large",
+                "Request body too large",
+                format!("The request body is larger than {limit} bytes."),
+                None,
+            ),
+            E::BodyRead(_) => (
+                400,
+                "body-unreadable",
+                "Request body could not be read",
+                "The request body ended early or was malformed.".into(),
+                None,
+            ),
+            E::FingerprintMismatch => (
+                422,
+                "fingerprint-mismatch",
+                "Idempotency key reused",
+                "This idempotency key was already used with a different request.".into(),
+                None,
+            ),
+            E::InFlight { retry_after } => (
+                409,
+                "in-flight",
+                "Request in flight",
+                "A request with this idempotency key is still being processed; retry later.".into(),
+                Some(*retry_after),
+            ),
+            E::Store(_) => (
+                503,
+                "store-unavailable",
+                "Store unavailable",
+                "The idempotency store is unavailable; the request was not forwarded.".into(),
+                Some(Duration::from_secs(1)),
+            ),
+            E::StoreAfterForward(_) => (
+                503,
+                "store-unavailable",
+                "Store unavailable",
+                "The request was processed but its answer could not be recorded; retry later to get it.".into(),
+                Some(Duration::from_secs(1)),
+            ),
+            E::UpstreamUnavailable(_) => (
+                502,
+                "upstream-unavailable",
+                "Upstream unavailable",
+                "The upstream could not be reached; the request was not processed.".into(),
+                None,
+            ),
+            E::UpstreamFailed(_) => (
+                502,
+                "upstream-unavailable",
+                "Upstream failed",
+                "The connection to the upstream failed after the request was sent; its outcome is unknown.".into(),
+                None,
+            ),
+            E::UpstreamTimeout => (
+                504,
+                "upstream-timeout",
+                "Upstream timed out",
+                "The upstream did not answer in time; its outcome is unknown.".into(),
+                None,
+            ),
+            E::OutcomeUnknown => (
+                502,
+                "outcome-unknown",
+                "Outcome unknown",
+                "The first request with this key may or may not have been processed; the key is held until an operator releases it or it expires.".into(),
+                None,
+            ),
+            E::NotReplayable => (
+                502,
+                "response-not-replayable",
+                "Response not replayable",
+                "The first request with this key was processed, but its response was too large to store for replay.".into(),
+                None,
+            ),
+        };
+        Problem {
+            status: StatusCode::from_u16(status).expect("table holds valid statuses"),
+            slug,
+            title,
+            detail,
+            retry_after,
+        }
+    }
+}
+
+impl Problem {
+    /// The RFC 9457 JSON body.
+    pub fn body(&self) -> Bytes {
+        let v = serde_json::json!({
+            "type": format!("urn:idemgate:problem:{}", self.slug),
+            "title": self.title,
+            "status": self.status.as_u16(),
+            "detail": self.detail,
+        });
+        Bytes::from(serde_json::to_vec(&v).expect("a JSON value serializes"))
+    }
+
+    /// A complete response with `Content-Type: application/problem+json`.
+    pub fn into_response(self) -> Response<Body> {
+        let mut resp = Response::new(full(self.body()));
+        *resp.status_mut() = self.status;
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(after) = self.retry_after {
+            let secs = after.as_secs().max(1);
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_body_is_rfc9457() {
+        let p = GatewayError::FingerprintMismatch.problem();
+        let v: serde_json::Value = serde_json::from_slice(&p.body()).unwrap();
+        assert_eq!(v["type"], "urn:idemgate:problem:fingerprint-mismatch");
+        assert_eq!(v["status"], 422);
+        assert!(v["title"].is_string() && v["detail"].is_string());
+    }
+
+    #[test]
+    fn in_flight_carries_retry_after() {
+        let resp = GatewayError::InFlight {
+            retry_after: Duration::from_secs(2),
+        }
+        .problem()
+        .into_response();
+        assert_eq!(resp.status(), 409);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "2");
+    }
+}

@@ -1,0 +1,96 @@
+//! The listener: connection limits, header read timeout, HTTP/1.1 and h2c, graceful shutdown.
+//!
+//! [`run`] takes the listener and the shutdown future as arguments, so tests bind
+//! `127.0.0.1:0` and stop the server at will. Invariants: at most `max_connections`
+//! connections are served at once (further ones wait in the kernel's accept backlog); a
+//! client that does not finish its request head within `header_read_timeout` is cut off
+//! (hyper needs a timer for that, or the timeout is silently off); after shutdown starts no
+//! connection is accepted, and open ones get `shutdown_grace` to finish their requests.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+use crate::config::ServerConfig;
+use crate::forward::ClientInfo;
+use crate::gateway::Gateway;
+
+/// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`.
+pub async fn run(
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    cfg: ServerConfig,
+    shutdown: impl Future<Output = ()>,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(cfg.header_read_timeout);
+    builder.http2().timer(TokioTimer::new());
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(cfg.max_connections));
+    tokio::pin!(shutdown);
+
+    loop {
+        let permit = tokio::select! {
+            p = Arc::clone(&slots).acquire_owned() => p.expect("the semaphore is never closed"),
+            () = &mut shutdown => break,
+        };
+        let (stream, addr) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let info = ClientInfo { addr, tls: false };
+        let gw = Arc::clone(&gateway);
+        let svc = service_fn(move |req| {
+            let gw = Arc::clone(&gw);
+            async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+            drop(permit);
+        });
+    }
+
+    drop(listener);
+    tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: draining connections");
+    tokio::select! {
+        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = tokio::time::sleep(cfg.shutdown_grace) => {
+            tracing::warn!("shutdown grace ended with requests still in flight; their keys are left to their leases");
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
+    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = int.recv() => tracing::info!("SIGINT received"),
+    }
+}

@@ -1,0 +1,131 @@
+//! The Store: claim / finish / inspect / delete, whatever holds the rows.
+//!
+//! Contract for every implementation (SPEC sections 2 and 5):
+//! - [`Store::claim`] is one atomic statement that inserts the row or reports what is there;
+//!   it takes over rows whose `ttl` expired and in-flight rows whose lease expired, and
+//!   compares fingerprints. Leases and expiries use the database clock.
+//! - [`Store::finish`] writes the outcome only if the row still carries our lease token
+//!   (fencing): `Ok(false)` means our lease was taken over, and nothing was written.
+//! - A row is never `completed` without its whole response in the same statement.
+//! - Every call is bounded in time: it returns [`StoreError`] instead of hanging.
+
+pub mod postgres;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use crate::fingerprint::Fingerprint;
+use crate::replay::StoredResponse;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Why the store could not answer. Every variant means: assume nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("timed out waiting for a database connection")]
+    AcquireTimeout,
+    #[error("database operation timed out")]
+    Timeout,
+    #[error("cannot connect to the database: {0}")]
+    Connect(String),
+    #[error("database error: {0}")]
+    Db(String),
+    #[error("stored row is corrupt: {0}")]
+    Corrupt(&'static str),
+}
+
+/// A random token that fences every write after a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseToken(pub String);
+
+/// What one claim asks for.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest<'a> {
+    pub scope: &'a str,
+    pub key: &'a str,
+    pub route: &'a str,
+    pub fingerprint: &'a Fingerprint,
+    pub lease: Duration,
+    pub ttl: Duration,
+}
+
+/// What the claim found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// We own the key; `took_over` is true when an expired lease of another attempt was taken
+    /// over (that attempt's outcome is unknown: a double execution is possible).
+    Acquired { token: LeaseToken, took_over: bool },
+    /// Completed with the same fingerprint: replay this.
+    Completed(StoredResponse),
+    /// Another attempt with the same fingerprint holds a live lease.
+    InFlight,
+    /// The key was used with a different request.
+    Mismatch,
+    /// The outcome of the first attempt is unknown and the route holds such keys.
+    Held,
+    /// Completed, but the response was too large to store.
+    NotReplayable { status: u16 },
+}
+
+/// How a claimed attempt ended.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// Store this response, to be replayed until `ttl` passes.
+    Completed(StoredResponse),
+    /// The upstream answered with a response too large to store.
+    NotReplayable { status: u16 },
+    /// Hold the key: the outcome is unknown (`on_unknown_outcome: hold`).
+    Unknown,
+    /// Delete the row so that a retry forwards again.
+    Release,
+}
+
+/// A row as an operator sees it (`idemgate keys show`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyInfo {
+    pub scope: String,
+    pub key: String,
+    pub route: String,
+    pub state: String,
+    pub status: Option<u16>,
+    pub attempts: i32,
+    pub body_bytes: Option<usize>,
+    pub created_at: String,
+    pub completed_at: Option<String>,
+    pub lease_expires_at: Option<String>,
+    pub expires_at: String,
+    pub fingerprint_hex: String,
+}
+
+pub trait Store: Send + Sync + 'static {
+    /// Claims `(scope, key)` in one statement; see the module docs.
+    fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>>;
+
+    /// Records an outcome, fenced by the lease token. `Ok(false)`: the lease was lost.
+    fn finish<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        token: &'a LeaseToken,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Reads one row for operators.
+    fn inspect<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>>;
+
+    /// Deletes one row whatever its state (operator release). `Ok(false)`: no such row.
+    fn delete<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Whether the store answers and its schema is current.
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+}

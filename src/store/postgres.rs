@@ -1,0 +1,400 @@
+//! The Postgres store: the claim SQL, fenced by lease token, and the migrations.
+//!
+//! Invariants:
+//! - The claim is one statement (`INSERT ... ON CONFLICT DO UPDATE ... WHERE <claimable>`
+//!   in a CTE, plus a read of the existing row when nothing was claimed). Under READ COMMITTED
+//!   the read can miss a row committed after the statement's snapshot; the statement then
+//!   returns nothing and is simply run again (a new snapshot sees the row).
+//! - Every write after a claim carries `lease_token = $token`, so an attempt whose lease was
+//!   taken over can never overwrite its successor.
+//! - `now()` (the database clock) sets every lease and expiry.
+//! - Every call is bounded: pool acquire by `acquire_timeout`, statements by the server's
+//!   `statement_timeout` and by the same bound on the client side; a connection whose
+//!   statement timed out on the client side is detached from the pool, never reused.
+//! - Statements are prepared once per connection (`prepare_cached`).
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+use tokio_postgres::error::SqlState;
+
+use super::{BoxFuture, Claim, ClaimRequest, KeyInfo, LeaseToken, Outcome, Store, StoreError};
+use crate::config::PostgresConfig;
+use crate::fingerprint::hex;
+use crate::replay::StoredResponse;
+
+/// Migrations in order; each runs once, all in one transaction under an advisory lock.
+pub const MIGRATIONS: &[(i32, &str, &str)] =
+    &[(1, "keys", include_str!("../../migrations/0001_keys.sql"))];
+
+/// The advisory lock key that serializes migrations (and nothing else).
+const MIGRATION_LOCK: i64 = 0x1de0_6a7e_0001;
+
+const CLAIM_SQL: &str = "
+WITH claimed AS (
+    INSERT INTO idemgate_keys AS k
+        (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
+         created_at, expires_at)
+    VALUES ($1, $2, $3, $4, 'in_flight', gen_random_uuid(),
+            now() + $5::bigint * interval '1 millisecond', 1,
+            now(), now() + $6::bigint * interval '1 millisecond')
+    ON CONFLICT (scope, key) DO UPDATE SET
+        route = EXCLUDED.route,
+        fingerprint = EXCLUDED.fingerprint,
+        state = 'in_flight',
+        lease_token = EXCLUDED.lease_token,
+        lease_expires_at = EXCLUDED.lease_expires_at,
+        attempts = CASE WHEN k.state = 'in_flight' AND k.expires_at > now()
+                        THEN k.attempts + 1 ELSE 1 END,
+        status = NULL, headers = NULL, body = NULL,
+        created_at = EXCLUDED.created_at,
+        completed_at = NULL,
+        expires_at = EXCLUDED.expires_at
+    WHERE k.expires_at <= now()
+       OR (k.state = 'in_flight' AND k.lease_expires_at <= now())
+    RETURNING k.lease_token, k.attempts
+)
+SELECT 'claimed' AS state, c.lease_token::text AS token, c.attempts,
+       NULL::bytea AS fingerprint, NULL::integer AS status,
+       NULL::bytea AS headers, NULL::bytea AS body
+  FROM claimed c
+UNION ALL
+SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body
+  FROM idemgate_keys k
+ WHERE k.scope = $1 AND k.key = $2
+   AND NOT EXISTS (SELECT 1 FROM claimed)";
+
+const FINISH_SQL: &str = "
+UPDATE idemgate_keys
+   SET state = $4, status = $5, headers = $6, body = $7,
+       lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $8::bigint * interval '1 millisecond'
+ WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'";
+
+const RELEASE_SQL: &str = "
+DELETE FROM idemgate_keys
+ WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'";
+
+const INSPECT_SQL: &str = "
+SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
+       created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
+       fingerprint
+  FROM idemgate_keys WHERE scope = $1 AND key = $2";
+
+const DELETE_SQL: &str = "DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2";
+
+pub struct PgStore {
+    pool: Pool,
+    acquire_timeout: Duration,
+    statement_timeout: Duration,
+}
+
+/// Client-side slack on top of the server's statement timeout.
+const CLIENT_SLACK: Duration = Duration::from_millis(200);
+
+fn pg_error(e: tokio_postgres::Error) -> StoreError {
+    if e.code() == Some(&SqlState::QUERY_CANCELED) {
+        return StoreError::Timeout;
+    }
+    if e.is_closed() || e.code().is_none() {
+        return StoreError::Connect(crate::forward::error_chain(&e));
+    }
+    StoreError::Db(crate::forward::error_chain(&e))
+}
+
+impl PgStore {
+    /// Builds the pool. Connections are opened lazily, so this succeeds with Postgres down.
+    pub fn new(cfg: &PostgresConfig) -> Result<PgStore, StoreError> {
+        let mut pg: tokio_postgres::Config = cfg
+            .url
+            .parse()
+            .map_err(|_| StoreError::Connect("invalid connection string".into()))?;
+        pg.connect_timeout(cfg.connect_timeout);
+        pg.application_name("idemgate");
+        pg.options(format!(
+            "-c statement_timeout={}",
+            cfg.statement_timeout.as_millis()
+        ));
+        let mgr = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(cfg.acquire_timeout))
+            .create_timeout(Some(cfg.connect_timeout.min(cfg.acquire_timeout)))
+            .recycle_timeout(Some(cfg.acquire_timeout))
+            .build()
+            .map_err(|e| StoreError::Db(e.to_string()))?;
+        Ok(PgStore {
+            pool,
+            acquire_timeout: cfg.acquire_timeout,
+            statement_timeout: cfg.statement_timeout,
+        })
+    }
+
+    /// The pool, for the gc, metrics and tests.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    async fn conn(&self) -> Result<Object, StoreError> {
+        use deadpool_postgres::PoolError;
+        match tokio::time::timeout(self.acquire_timeout, self.pool.get()).await {
+            Err(_) => Err(StoreError::AcquireTimeout),
+            Ok(Ok(obj)) => Ok(obj),
+            Ok(Err(PoolError::Timeout(_))) => Err(StoreError::AcquireTimeout),
+            Ok(Err(PoolError::Backend(e))) => Err(pg_error(e)),
+            Ok(Err(e)) => Err(StoreError::Connect(e.to_string())),
+        }
+    }
+
+    /// Runs `f` on a pooled connection within the statement bound. On a client-side timeout
+    /// the connection is detached (its statement may still be running), never reused.
+    async fn with_conn<T>(
+        &self,
+        f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<T, StoreError> {
+        let obj = self.conn().await?;
+        let bound = self.statement_timeout + CLIENT_SLACK;
+        let res = tokio::time::timeout(bound, f(&obj)).await;
+        match res {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(pg_error(e)),
+            Err(_) => {
+                drop(Object::take(obj));
+                Err(StoreError::Timeout)
+            }
+        }
+    }
+
+    /// Applies pending migrations in one transaction under an advisory lock, so many
+    /// instances may start at once. Returns how many were applied.
+    pub async fn migrate(&self) -> Result<usize, StoreError> {
+        let mut obj = self.conn().await?;
+        let tx = obj.transaction().await.map_err(pg_error)?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
+            .await
+            .map_err(pg_error)?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS idemgate_migrations (
+                version integer PRIMARY KEY,
+                name text NOT NULL,
+                applied_at timestamptz NOT NULL DEFAULT now())",
+        )
+        .await
+        .map_err(pg_error)?;
+        let done: Vec<i32> = tx
+            .query("SELECT version FROM idemgate_migrations", &[])
+            .await
+            .map_err(pg_error)?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let mut applied = 0;
+        for (version, name, sql) in MIGRATIONS {
+            if done.contains(version) {
+                continue;
+            }
+            tx.batch_execute(sql).await.map_err(pg_error)?;
+            tx.execute(
+                "INSERT INTO idemgate_migrations (version, name) VALUES ($1, $2)",
+                &[version, name],
+            )
+            .await
+            .map_err(pg_error)?;
+            applied += 1;
+        }
+        tx.commit().await.map_err(pg_error)?;
+        Ok(applied)
+    }
+
+    async fn claim_once(&self, req: &ClaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+        let lease_ms = req.lease.as_millis() as i64;
+        let ttl_ms = req.ttl.as_millis() as i64;
+        let fp: &[u8] = req.fingerprint;
+        let row = self
+            .with_conn(async |c| {
+                let stmt = c.prepare_cached(CLAIM_SQL).await?;
+                c.query_opt(
+                    &stmt,
+                    &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms],
+                )
+                .await
+            })
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        let state: &str = row.get("state");
+        if state == "claimed" {
+            let attempts: i32 = row.get("attempts");
+            return Ok(Some(Claim::Acquired {
+                token: LeaseToken(row.get("token")),
+                took_over: attempts > 1,
+            }));
+        }
+        let stored_fp: &[u8] = row.get("fingerprint");
+        if stored_fp != fp {
+            return Ok(Some(Claim::Mismatch));
+        }
+        let status = || -> Result<u16, StoreError> {
+            let s: Option<i32> = row.get("status");
+            s.and_then(|s| u16::try_from(s).ok())
+                .ok_or(StoreError::Corrupt("missing status"))
+        };
+        Ok(Some(match state {
+            "in_flight" => Claim::InFlight,
+            "unknown" => Claim::Held,
+            "not_replayable" => Claim::NotReplayable { status: status()? },
+            "completed" => {
+                let headers: Vec<u8> = row
+                    .get::<_, Option<Vec<u8>>>("headers")
+                    .ok_or(StoreError::Corrupt("missing headers"))?;
+                let body: Vec<u8> = row
+                    .get::<_, Option<Vec<u8>>>("body")
+                    .ok_or(StoreError::Corrupt("missing body"))?;
+                Claim::Completed(StoredResponse {
+                    status: status()?,
+                    headers: StoredResponse::decode_headers(&headers)
+                        .ok_or(StoreError::Corrupt("headers"))?,
+                    body: body.into(),
+                })
+            }
+            _ => return Err(StoreError::Corrupt("unknown state")),
+        }))
+    }
+}
+
+impl Store for PgStore {
+    fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        Box::pin(async move {
+            // A row committed after our snapshot but before our insert's conflict check makes
+            // the statement return nothing: run it again. Three empty answers in a row would
+            // need three such races; treat that as the store misbehaving.
+            for _ in 0..3 {
+                if let Some(claim) = self.claim_once(&req).await? {
+                    return Ok(claim);
+                }
+            }
+            Err(StoreError::Db("claim returned no row three times".into()))
+        })
+    }
+
+    fn finish<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        token: &'a LeaseToken,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let ttl_ms = ttl.as_millis() as i64;
+            let n = self
+                .with_conn(async |c| {
+                    let token = token.0.as_str();
+                    if let Outcome::Release = outcome {
+                        let stmt = c.prepare_cached(RELEASE_SQL).await?;
+                        return c.execute(&stmt, &[&scope, &key, &token]).await;
+                    }
+                    let (state, status, headers, body): (
+                        &str,
+                        Option<i32>,
+                        Option<Vec<u8>>,
+                        Option<&[u8]>,
+                    ) = match &outcome {
+                        Outcome::Completed(r) => (
+                            "completed",
+                            Some(i32::from(r.status)),
+                            Some(r.encode_headers()),
+                            Some(&r.body[..]),
+                        ),
+                        Outcome::NotReplayable { status } => {
+                            ("not_replayable", Some(i32::from(*status)), None, None)
+                        }
+                        Outcome::Unknown => ("unknown", None, None, None),
+                        Outcome::Release => unreachable!("handled above"),
+                    };
+                    let stmt = c.prepare_cached(FINISH_SQL).await?;
+                    c.execute(
+                        &stmt,
+                        &[
+                            &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms,
+                        ],
+                    )
+                    .await
+                })
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>> {
+        Box::pin(async move {
+            let row = self
+                .with_conn(async |c| {
+                    let stmt = c.prepare_cached(INSPECT_SQL).await?;
+                    c.query_opt(&stmt, &[&scope, &key]).await
+                })
+                .await?;
+            Ok(row.map(|r| KeyInfo {
+                scope: r.get(0),
+                key: r.get(1),
+                route: r.get(2),
+                state: r.get(3),
+                status: r
+                    .get::<_, Option<i32>>(4)
+                    .and_then(|s| u16::try_from(s).ok()),
+                attempts: r.get(5),
+                body_bytes: r.get::<_, Option<i32>>(6).map(|n| n as usize),
+                created_at: r.get(7),
+                completed_at: r.get(8),
+                lease_expires_at: r.get(9),
+                expires_at: r.get(10),
+                fingerprint_hex: hex(r.get::<_, &[u8]>(11)),
+            }))
+        })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let n = self
+                .with_conn(async |c| {
+                    let stmt = c.prepare_cached(DELETE_SQL).await?;
+                    c.execute(&stmt, &[&scope, &key]).await
+                })
+                .await?;
+            Ok(n == 1)
+        })
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
+            let v: Option<i32> = self
+                .with_conn(async |c| {
+                    let row = c
+                        .query_one("SELECT max(version) FROM idemgate_migrations", &[])
+                        .await?;
+                    Ok(row.get(0))
+                })
+                .await?;
+            if v.unwrap_or(0) < latest {
+                return Err(StoreError::Db("migrations not applied".into()));
+            }
+            Ok(())
+        })
+    }
+}
