@@ -1061,11 +1061,11 @@ fn status_range(path: &str, s: RawStatus) -> Result<(u16, u16), ConfigError> {
 /// Formats a duration the way the config writes it.
 pub fn fmt_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    if ms % 3_600_000 == 0 && ms > 0 {
+    if ms.is_multiple_of(3_600_000) && ms > 0 {
         format!("{}h", ms / 3_600_000)
-    } else if ms % 60_000 == 0 && ms > 0 {
+    } else if ms.is_multiple_of(60_000) && ms > 0 {
         format!("{}m", ms / 60_000)
-    } else if ms % 1000 == 0 {
+    } else if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")
@@ -1119,7 +1119,7 @@ routes:
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { leese: 30s }");
         let e = err(&yaml);
         assert!(
-            e.starts_with("routes[0].idempotency: unknown field `leese`"),
+            e.starts_with("routes[0].idempotency.leese: unknown field `leese`, expected one of"),
             "{e}"
         );
     }

@@ -84,6 +84,39 @@ SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
 
 const DELETE_SQL: &str = "DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2";
 
+/// The columns [`FINISH_SQL`] writes for a final outcome.
+struct FinishRow<'a> {
+    state: &'static str,
+    status: Option<i32>,
+    headers: Option<Vec<u8>>,
+    body: Option<&'a [u8]>,
+}
+
+impl<'a> FinishRow<'a> {
+    fn of(outcome: &'a Outcome) -> FinishRow<'a> {
+        let (state, status, headers, body) = match outcome {
+            Outcome::Completed(r) => (
+                "completed",
+                Some(i32::from(r.status)),
+                Some(r.encode_headers()),
+                Some(&r.body[..]),
+            ),
+            Outcome::NotReplayable { status } => {
+                ("not_replayable", Some(i32::from(*status)), None, None)
+            }
+            Outcome::Unknown => ("unknown", None, None, None),
+            // Release deletes the row instead (RELEASE_SQL); nothing is written.
+            Outcome::Release => ("in_flight", None, None, None),
+        };
+        FinishRow {
+            state,
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
 pub struct PgStore {
     pool: Pool,
     acquire_timeout: Duration,
@@ -297,28 +330,16 @@ impl Store for PgStore {
             let n = self
                 .with_conn(async |c| {
                     let token = token.0.as_str();
-                    if let Outcome::Release = outcome {
+                    if let Outcome::Release = &outcome {
                         let stmt = c.prepare_cached(RELEASE_SQL).await?;
                         return c.execute(&stmt, &[&scope, &key, &token]).await;
                     }
-                    let (state, status, headers, body): (
-                        &str,
-                        Option<i32>,
-                        Option<Vec<u8>>,
-                        Option<&[u8]>,
-                    ) = match &outcome {
-                        Outcome::Completed(r) => (
-                            "completed",
-                            Some(i32::from(r.status)),
-                            Some(r.encode_headers()),
-                            Some(&r.body[..]),
-                        ),
-                        Outcome::NotReplayable { status } => {
-                            ("not_replayable", Some(i32::from(*status)), None, None)
-                        }
-                        Outcome::Unknown => ("unknown", None, None, None),
-                        Outcome::Release => unreachable!("handled above"),
-                    };
+                    let FinishRow {
+                        state,
+                        status,
+                        headers,
+                        body,
+                    } = FinishRow::of(&outcome);
                     let stmt = c.prepare_cached(FINISH_SQL).await?;
                     c.execute(
                         &stmt,

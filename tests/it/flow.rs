@@ -1,0 +1,534 @@
+//! The request flow of SPEC section 2 through a real gateway, Postgres and upstream.
+
+use std::time::Duration;
+
+use http::Method;
+use idemgate::store::{ClaimRequest, Store};
+
+use crate::support::*;
+
+#[tokio::test]
+async fn a_retry_after_completion_gets_the_stored_answer_byte_for_byte() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+
+    let first = post(&c, &gw, "acct-1", "k1", r#"{"amount":10}"#).await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed(), "a first answer is not marked replayed");
+    assert_eq!(first.json()["execution"], 1);
+    assert!(
+        first.headers.contains_key("set-cookie"),
+        "the first client gets every header"
+    );
+
+    let retry = post(&c, &gw, "acct-1", "k1", r#"{"amount":10}"#).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body, "byte-identical body");
+    assert_eq!(retry.headers["content-type"], first.headers["content-type"]);
+    assert_eq!(retry.headers["etag"], first.headers["etag"]);
+    assert!(
+        !retry.headers.contains_key("set-cookie"),
+        "set-cookie is never stored"
+    );
+    assert!(
+        !retry.headers.contains_key("x-upstream"),
+        "only allow-listed headers are stored"
+    );
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(400),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let c = c.clone();
+            let url = gw.url("/pay");
+            tokio::spawn(async move {
+                send(
+                    &c,
+                    Method::POST,
+                    &url,
+                    &[("idempotency-key", "storm"), ("x-account-id", "acct-1")],
+                    r#"{"event_id":"storm","amount":5}"#,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.unwrap());
+    }
+    assert_eq!(up.executions(), 1, "one execution for 30 duplicates");
+    for r in &replies {
+        assert_eq!(r.status, 201, "every duplicate gets the 2xx: {r:?}");
+        assert_eq!(
+            r.body, replies[0].body,
+            "every duplicate gets the same body"
+        );
+    }
+    assert_eq!(
+        replies.iter().filter(|r| !r.replayed()).count(),
+        1,
+        "exactly one first answer, the rest replays"
+    );
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_body_is_422_and_not_forwarded() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    assert_eq!(
+        post(&c, &gw, "a", "k", r#"{"amount":10}"#).await.status,
+        201
+    );
+    let other = post(&c, &gw, "a", "k", r#"{"amount":99}"#).await;
+    assert_eq!(other.status, 422);
+    assert_eq!(other.problem(), "fingerprint-mismatch");
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_mismatch_against_an_in_flight_request_is_422_too() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    let c2 = c.clone();
+    let url = gw.url("/pay");
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "one",
+        )
+        .await
+    });
+    wait_until(
+        "the first request is in flight",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let other = post(&c, &gw, "a", "k", "two").await;
+    assert_eq!(other.problem(), "fingerprint-mismatch");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn the_same_key_in_two_scopes_executes_twice_and_never_leaks() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    let a = post(&c, &gw, "acct-A", "shared-key", r#"{"amount":1}"#).await;
+    let b = post(&c, &gw, "acct-B", "shared-key", r#"{"amount":1}"#).await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed(), "B's first request is not a replay of A's");
+    assert_ne!(a.body, b.body, "B never sees A's stored body");
+    assert_eq!(up.executions(), 2);
+    // And each scope replays its own answer.
+    assert_eq!(
+        post(&c, &gw, "acct-A", "shared-key", r#"{"amount":1}"#)
+            .await
+            .body,
+        a.body
+    );
+    assert_eq!(
+        post(&c, &gw, "acct-B", "shared-key", r#"{"amount":1}"#)
+            .await
+            .body,
+        b.body
+    );
+}
+
+#[tokio::test]
+async fn a_retry_status_releases_the_key_so_a_retry_is_forwarded() {
+    let up = Upstream::start_with(Behavior {
+        script: vec![503, 429],
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    let r1 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r1.status, 503, "the upstream's 503 is passed through");
+    assert_eq!(row_state(&gw, "a", "k").await, None, "released");
+    let r2 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r2.status, 429);
+    let r3 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r3.status, 201);
+    assert!(!r3.replayed());
+    let r4 = post(&c, &gw, "a", "k", "x").await;
+    assert!(r4.replayed());
+    assert_eq!(r4.body, r3.body);
+    assert_eq!(up.executions(), 3);
+}
+
+#[tokio::test]
+async fn a_4xx_answer_is_stored_and_replayed_like_any_other() {
+    let up = Upstream::start_with(Behavior {
+        status: 400,
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    let r1 = post(&c, &gw, "a", "k", "x").await;
+    let r2 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r1.status, r2.status), (400, 400));
+    assert!(r2.replayed());
+    assert_eq!(r1.body, r2.body);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let body = r#"{"amount":7}"#;
+    s.write_all(
+        format!(
+            "POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: gone\r\nx-account-id: a\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    wait_until(
+        "the upstream got the request",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    drop(s); // the client hangs up while the upstream works
+    wait_until("the answer is stored", Duration::from_secs(10), || async {
+        row_state(&gw, "a", "gone").await.as_deref() == Some("completed")
+    })
+    .await;
+    assert_eq!(up.answered(), 1, "the upstream call was not cancelled");
+    let c = client();
+    let retry = post(&c, &gw, "a", "gone", body).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["execution"], 1);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn an_expired_lease_is_taken_over_and_forwarded_again() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    // A short lease; the upstream timeout must stay below it.
+    let yaml = config_yaml(&db, &up.url(), "lease: 1500ms\n      in_flight: reject")
+        .replace("timeout: 5s", "timeout: 1s");
+    let gw = TestGateway::start(&yaml, &db).await;
+    // A crashed gateway: it claimed the key (with the fingerprint the gateway computes for
+    // this request) and never finished.
+    let body = "x";
+    let c = client();
+    let fp = {
+        let cfg = Default::default();
+        idemgate::fingerprint::fingerprint(
+            &cfg,
+            &Method::POST,
+            "payments",
+            "/pay",
+            &http::HeaderMap::new(),
+            body.as_bytes(),
+            None,
+        )
+        .unwrap()
+    };
+    let claimed = gw
+        .store
+        .claim(ClaimRequest {
+            scope: "a",
+            key: "crashed",
+            route: "payments",
+            fingerprint: &fp,
+            lease: Duration::from_millis(1500),
+            ttl: Duration::from_secs(60),
+        })
+        .await
+        .unwrap();
+    assert!(matches!(claimed, idemgate::store::Claim::Acquired { .. }));
+
+    let early = post(&c, &gw, "a", "crashed", body).await;
+    assert_eq!(early.status, 409, "a live lease is respected");
+    assert_eq!(early.problem(), "in-flight");
+    assert!(early.headers.contains_key("retry-after"));
+    assert_eq!(up.executions(), 0);
+
+    let c2 = c.clone();
+    let gw_url = gw.url("/pay");
+    wait_until("the lease is taken over", Duration::from_secs(10), || {
+        let c2 = c2.clone();
+        let gw_url = gw_url.clone();
+        async move {
+            let r = send(
+                &c2,
+                Method::POST,
+                &gw_url,
+                &[("idempotency-key", "crashed"), ("x-account-id", "a")],
+                body,
+            )
+            .await;
+            r.status == 201
+        }
+    })
+    .await;
+    assert_eq!(up.executions(), 1);
+    let info = gw.store.inspect("a", "crashed").await.unwrap().unwrap();
+    assert_eq!(info.state, "completed");
+    assert_eq!(info.attempts, 2, "the takeover is counted on the row");
+}
+
+#[tokio::test]
+async fn routes_and_methods_without_idempotency_are_plain_proxied() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    // GET on the keyed route: not in idempotency.methods.
+    for _ in 0..2 {
+        let r = send(
+            &c,
+            Method::GET,
+            &gw.url("/pay?x=1"),
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "",
+        )
+        .await;
+        assert_eq!(r.status, 201);
+        assert!(!r.replayed());
+    }
+    // POST on the route without idempotency.
+    for _ in 0..2 {
+        let r = send(
+            &c,
+            Method::POST,
+            &gw.url("/other"),
+            &[("idempotency-key", "k")],
+            "b",
+        )
+        .await;
+        assert!(!r.replayed());
+    }
+    // A keyed route without a key (not required): forwarded without a claim.
+    for _ in 0..2 {
+        let r = send(
+            &c,
+            Method::POST,
+            &gw.url("/pay"),
+            &[("x-account-id", "a")],
+            "b",
+        )
+        .await;
+        assert_eq!(r.status, 201);
+        assert!(!r.replayed());
+    }
+    assert_eq!(up.executions(), 6);
+    assert_eq!(up.seen()[0].uri, "/pay?x=1", "path and query are forwarded");
+}
+
+#[tokio::test]
+async fn forwarded_requests_are_clean_and_carry_the_key() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "forward_key_header: X-Request-Key").await;
+    let c = client();
+    let r = send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", "\"quoted-key\""),
+            ("x-account-id", "a"),
+            ("connection", "x-secret"),
+            ("x-secret", "hop"),
+            ("x-forwarded-for", "10.0.0.1"),
+            ("host", "public.example"),
+            ("proxy-authorization", "Basic eA=="),
+        ],
+        "b",
+    )
+    .await;
+    assert_eq!(r.status, 201);
+    assert!(!r.headers.contains_key("connection") || r.headers["connection"] != "x-secret");
+    let seen = &up.seen()[0];
+    assert_eq!(
+        seen.headers["x-request-key"], "quoted-key",
+        "the parsed key is sent on"
+    );
+    assert!(
+        !seen.headers.contains_key("x-secret"),
+        "headers named in Connection are stripped"
+    );
+    assert!(!seen.headers.contains_key("proxy-authorization"));
+    assert_eq!(seen.headers["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+    assert_eq!(seen.headers["x-forwarded-proto"], "http");
+    assert_eq!(seen.headers["x-forwarded-host"], "public.example");
+    assert_eq!(seen.headers["host"], up.addr.to_string());
+    assert_eq!((seen.method.as_str(), &seen.body[..]), ("POST", &b"b"[..]));
+    // The quoted and the bare form are the same key.
+    let again = post(&c, &gw, "a", "quoted-key", "b").await;
+    assert!(again.replayed());
+}
+
+#[tokio::test]
+async fn keys_and_scopes_from_the_json_body() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "")
+        .replace(
+            "scope: { header: X-Account-Id }",
+            "scope: { json: /account_id }\n      key: [ { header: Idempotency-Key }, { json: /payment_id } ]\n      fingerprint: { json_canonical: true, json_ignore: [/sent_at] }",
+        );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let webhook = r#"{"payment_id":"pay_1","account_id":"acct_9","amount":5,"sent_at":"t1"}"#;
+    let reconcile =
+        r#"{ "amount": 5, "sent_at": "t2", "account_id": "acct_9", "payment_id": "pay_1" }"#;
+    let r1 = send(&c, Method::POST, &gw.url("/pay"), &[], webhook).await;
+    let r2 = send(&c, Method::POST, &gw.url("/pay"), &[], reconcile).await;
+    assert_eq!(r1.status, 201);
+    assert!(
+        r2.replayed(),
+        "the same payment by another path is deduplicated"
+    );
+    assert_eq!(r1.body, r2.body);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(
+        row_state(&gw, "acct_9", "pay_1").await.as_deref(),
+        Some("completed")
+    );
+}
+
+#[tokio::test]
+async fn an_authorization_scope_is_hashed_and_never_stored_raw() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "").replace(
+        "scope: { header: X-Account-Id }",
+        "scope: { authorization: true }",
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let alice = [
+        ("idempotency-key", "k"),
+        ("authorization", "Bearer alice-secret"),
+    ];
+    let bob = [
+        ("idempotency-key", "k"),
+        ("authorization", "Bearer bob-secret"),
+    ];
+    let a = send(&c, Method::POST, &gw.url("/pay"), &alice, "x").await;
+    let b = send(&c, Method::POST, &gw.url("/pay"), &bob, "x").await;
+    assert!(!b.replayed());
+    assert!(
+        send(&c, Method::POST, &gw.url("/pay"), &alice, "x")
+            .await
+            .replayed()
+    );
+    assert_ne!(a.body, b.body);
+    let rows = gw
+        .sql()
+        .await
+        .query("SELECT scope FROM idemgate_keys", &[])
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 2);
+    for row in rows {
+        let scope: String = row.get(0);
+        assert!(
+            scope.starts_with("authz:") && !scope.contains("secret"),
+            "{scope}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn many_instances_can_migrate_at_once() {
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, "http://127.0.0.1:9", "");
+    let config = idemgate::config::Config::from_yaml(&yaml).unwrap();
+    let idemgate::config::StoreConfig::Postgres(pgc) = &config.store;
+    let tasks: Vec<_> = (0..5)
+        .map(|_| {
+            let store = idemgate::store::postgres::PgStore::new(pgc).unwrap();
+            tokio::spawn(async move { store.migrate().await.unwrap() })
+        })
+        .collect();
+    let mut applied = 0;
+    for t in tasks {
+        applied += t.await.unwrap();
+    }
+    assert_eq!(applied, 1, "each migration is applied once");
+    let n: i64 = sql(&db)
+        .await
+        .query_one("SELECT count(*) FROM idemgate_migrations", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 1);
+}
+
+#[tokio::test]
+async fn shutdown_lets_an_in_flight_keyed_request_finish_and_store_its_answer() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(700),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let (c, url) = (client(), gw.url("/pay"));
+    let in_flight = tokio::spawn(async move {
+        send(
+            &c,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "x",
+        )
+        .await
+    });
+    wait_until(
+        "the request is in flight",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let store = gw.store.clone();
+    let addr = gw.addr;
+    gw.shutdown().await;
+    let r = in_flight.await.unwrap();
+    assert_eq!(r.status, 201, "the in-flight request was answered");
+    let info = store.inspect("a", "k").await.unwrap().unwrap();
+    assert_eq!(info.state, "completed");
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "the listener is closed after shutdown"
+    );
+}

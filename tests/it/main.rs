@@ -1,0 +1,7 @@
+//! The integration tests: one binary, real Postgres, real upstreams, real concurrency.
+
+mod config_files;
+mod flow;
+mod status_table;
+mod store_outage;
+mod support;

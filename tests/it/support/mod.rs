@@ -1,0 +1,259 @@
+//! Test helpers: a gateway on 127.0.0.1:0 against a fresh database and a fake upstream, an
+//! HTTP client, and waiting on a condition with a deadline (never sleeping "to settle").
+
+pub mod pg;
+pub mod upstream;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use idemgate::config::Config;
+use idemgate::gateway::Gateway;
+use idemgate::store::postgres::PgStore;
+use tokio::net::TcpListener;
+
+pub use upstream::{Behavior, Upstream};
+
+/// The default keyed route used by most tests; `{idem}` adds idempotency fields.
+pub fn config_yaml(db: &str, upstream: &str, idem: &str) -> String {
+    format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+  postgres: {{ url: "{db}", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}
+upstreams:
+  app: {{ url: "{upstream}", connect_timeout: 500ms, timeout: 5s }}
+routes:
+  - name: payments
+    match: {{ path_prefix: /pay }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+      {idem}
+  - name: rest
+    match: {{ path_prefix: / }}
+    upstream: app
+"#
+    )
+}
+
+/// A gateway served in this process.
+pub struct TestGateway {
+    pub addr: SocketAddr,
+    pub store: Arc<PgStore>,
+    pub db: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TestGateway {
+    /// Starts a gateway from YAML; migrations are applied first, as `serve` does.
+    pub async fn start(yaml: &str, db: &str) -> TestGateway {
+        init_logs();
+        let config = Arc::new(Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}")));
+        let idemgate::config::StoreConfig::Postgres(pg) = &config.store;
+        let store = Arc::new(PgStore::new(pg).expect("store"));
+        store.migrate().await.expect("migrations");
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind gateway");
+        let addr = listener.local_addr().unwrap();
+        let gateway = Arc::new(Gateway::new(Arc::clone(&config), store.clone()));
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(idemgate::server::run(
+            listener,
+            gateway,
+            config.server.clone(),
+            async move {
+                let _ = rx.await;
+            },
+        ));
+        TestGateway {
+            addr,
+            store,
+            db: db.to_string(),
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// A fresh database, a gateway with the default routes and `idem` fields.
+    pub async fn with_upstream(upstream: &Upstream, idem: &str) -> TestGateway {
+        let db = pg::fresh_database().await;
+        TestGateway::start(&config_yaml(&db, &upstream.url(), idem), &db).await
+    }
+
+    /// Starts graceful shutdown and waits for the server to return.
+    pub async fn shutdown(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    /// A direct connection to this test's database.
+    pub async fn sql(&self) -> tokio_postgres::Client {
+        sql(&self.db).await
+    }
+}
+
+impl Drop for TestGateway {
+    fn drop(&mut self) {
+        if let Some(task) = &self.task {
+            task.abort();
+        }
+    }
+}
+
+pub async fn sql(url: &str) -> tokio_postgres::Client {
+    let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+        .await
+        .expect("test SQL connection");
+    tokio::spawn(conn);
+    client
+}
+
+/// What a client received.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+
+    /// The problem `type` slug of a problem+json body.
+    pub fn problem(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "not a problem response: {self:?}"
+        );
+        let t = self.json()["type"].as_str().unwrap().to_string();
+        t.strip_prefix("urn:idemgate:problem:")
+            .unwrap_or_else(|| panic!("bad problem type {t}"))
+            .to_string()
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+}
+
+pub type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> TestClient {
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(64)
+        .build(HttpConnector::new())
+}
+
+/// Sends one request; panics only if the connection itself fails (or 30 s pass).
+pub async fn send(
+    client: &TestClient,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Reply {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(body.into())).expect("request");
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .expect("the gateway answered within 30 s")
+        .expect("request sent");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Reply {
+        status: parts.status.as_u16(),
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// A keyed POST to the default route.
+pub async fn post(
+    client: &TestClient,
+    gw: &TestGateway,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> Reply {
+    send(
+        client,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", key),
+            ("x-account-id", account),
+            ("content-type", "application/json"),
+        ],
+        body.to_string(),
+    )
+    .await
+}
+
+/// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.
+pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if cond().await {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting until {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The state of a key's row, if any.
+pub async fn row_state(gw: &TestGateway, scope: &str, key: &str) -> Option<String> {
+    use idemgate::store::Store;
+    gw.store
+        .inspect(scope, key)
+        .await
+        .expect("inspect")
+        .map(|i| i.state)
+}
+
+/// Gateway logs in test output, filtered by `RUST_LOG` (off unless set).
+pub fn init_logs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if let Ok(filter) = std::env::var("RUST_LOG") {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+                .with_test_writer()
+                .try_init();
+        }
+    });
+}

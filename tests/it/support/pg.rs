@@ -1,0 +1,249 @@
+//! A throwaway PostgreSQL cluster for tests.
+//!
+//! `initdb` + `pg_ctl` from the installed PostgreSQL (found under `/usr/lib/postgresql/*/bin`,
+//! or `PG_BIN`), run as the `postgres` user through `runuser` when the tests run as root. A
+//! cluster listens on 127.0.0.1 on a free port, with trust auth and `fsync=off` (safe here:
+//! tests crash the server, never the machine, and commits stay synchronous, so a crashed
+//! server loses nothing committed). It is stopped and removed when dropped; a watchdog shell stops it too if the test process dies without dropping it
+//! (statics are never dropped). If `DATABASE_URL` is set, the shared cluster is that server.
+//! If a cluster cannot be started, the test fails loudly with the reason: nothing is skipped.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+fn bin_dir() -> PathBuf {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .filter(|p| p.join("initdb").exists())
+                .collect()
+        })
+        .unwrap_or_default();
+    found.sort();
+    found.pop().unwrap_or_else(|| {
+        panic!(
+            "PostgreSQL server binaries not found: no /usr/lib/postgresql/*/bin/initdb. \
+             Install them (apt-get install -y postgresql) or set PG_BIN or DATABASE_URL."
+        )
+    })
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// A command run as the cluster's owner.
+fn pg_command(bin: &Path, tool: &str) -> Command {
+    let exe = bin.join(tool);
+    if is_root() {
+        let mut c = Command::new("runuser");
+        c.args(["-u", "postgres", "--"]).arg(exe);
+        c
+    } else {
+        Command::new(exe)
+    }
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run: {e}"));
+    if !out.status.success() {
+        panic!(
+            "{what} failed ({}):\n{}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding an ephemeral port")
+}
+
+/// A running cluster, or an external server from `DATABASE_URL`.
+pub struct Cluster {
+    bin: PathBuf,
+    dir: Option<PathBuf>,
+    pub port: u16,
+    /// Connection string of the maintenance database (`postgres`).
+    admin_url: String,
+}
+
+impl Cluster {
+    /// Starts a new private cluster (for tests that stop or crash Postgres).
+    pub fn start() -> Cluster {
+        let bin = bin_dir();
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("idemgate-pg-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("creating the cluster directory");
+        if is_root() {
+            run(
+                {
+                    let mut c = Command::new("chown");
+                    c.args(["-R", "postgres:postgres"]).arg(&dir);
+                    c
+                },
+                "chown of the cluster directory",
+            );
+        }
+        let data = dir.join("data");
+        let mut init = pg_command(&bin, "initdb");
+        init.arg("-D").arg(&data).args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ]);
+        run(init, "initdb");
+        let port = free_port();
+        let cluster = Cluster {
+            bin,
+            dir: Some(dir.clone()),
+            port,
+            admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+        };
+        cluster.watchdog();
+        cluster.pg_start();
+        cluster
+    }
+
+    /// Stops the cluster (and removes its files) when this process is gone, however it ends.
+    #[allow(clippy::zombie_processes)] // it must outlive us: nobody waits for it, by design
+    fn watchdog(&self) {
+        let dir = self.dir.as_ref().expect("own cluster");
+        let ctl = self.bin.join("pg_ctl");
+        let stop = if is_root() {
+            format!(
+                "runuser -u postgres -- {} -D {} stop -m immediate",
+                ctl.display(),
+                dir.join("data").display()
+            )
+        } else {
+            format!(
+                "{} -D {} stop -m immediate",
+                ctl.display(),
+                dir.join("data").display()
+            )
+        };
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
+            pid = std::process::id(),
+            dir = dir.display()
+        );
+        Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning the cluster watchdog");
+    }
+
+    /// Starts (or restarts) the server and waits until it accepts connections.
+    pub fn pg_start(&self) {
+        let dir = self.dir.as_ref().expect("own cluster");
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off \
+             -c max_connections=300 -c shared_buffers=64MB",
+            self.port,
+            dir.display()
+        );
+        let mut c = pg_command(&self.bin, "pg_ctl");
+        c.arg("-D")
+            .arg(dir.join("data"))
+            .args(["-o", &opts, "-l"])
+            .arg(dir.join("log"))
+            .args(["-w", "-t", "60", "start"]);
+        run(c, "pg_ctl start");
+    }
+
+    /// Stops the server at once, like a crash (`pg_ctl -m immediate stop`).
+    pub fn pg_stop_immediate(&self) {
+        let dir = self.dir.as_ref().expect("own cluster");
+        let mut c = pg_command(&self.bin, "pg_ctl");
+        c.arg("-D")
+            .arg(dir.join("data"))
+            .args(["-m", "immediate", "-w", "stop"]);
+        run(c, "pg_ctl stop");
+    }
+
+    /// A fresh, empty database; returns its connection string.
+    pub async fn new_database(&self) -> String {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let name = format!("t{}_{n}", std::process::id());
+        let (client, conn) = tokio_postgres::connect(&self.admin_url, tokio_postgres::NoTls)
+            .await
+            .unwrap_or_else(|e| panic!("connecting to the test cluster: {e}"));
+        let task = tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .unwrap_or_else(|e| panic!("creating database {name}: {e}"));
+        drop(client);
+        let _ = task.await;
+        let base = self
+            .admin_url
+            .rsplit_once('/')
+            .map(|(b, _)| b)
+            .expect("URL has a database part");
+        format!("{base}/{name}")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            let mut c = pg_command(&self.bin, "pg_ctl");
+            c.arg("-D")
+                .arg(dir.join("data"))
+                .args(["-m", "immediate", "stop"])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            let _ = c.status();
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// The cluster shared by every test of this process (each test gets its own database).
+pub fn shared() -> &'static Cluster {
+    static SHARED: OnceLock<Cluster> = OnceLock::new();
+    SHARED.get_or_init(|| match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Cluster {
+            bin: PathBuf::new(),
+            dir: None,
+            port: 0,
+            admin_url: url,
+        },
+        _ => Cluster::start(),
+    })
+}
+
+/// A fresh database in the shared cluster.
+pub async fn fresh_database() -> String {
+    let cluster = tokio::task::spawn_blocking(shared)
+        .await
+        .expect("starting the shared cluster");
+    cluster.new_database().await
+}

@@ -1,0 +1,179 @@
+//! A fake upstream: a real hyper server on 127.0.0.1:0 that counts executions, records what
+//! it received, and can be slowed down or told to answer with a given status or body.
+//!
+//! Default answer: 201 with a JSON body naming the execution number, so two executions can
+//! never produce the same bytes, plus a `set-cookie` and an `x-upstream` header (which a
+//! replay must not carry) and an `etag` (which it must).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+/// What the upstream does with the next requests.
+#[derive(Clone, Debug)]
+pub struct Behavior {
+    /// Pause after counting the execution, before answering.
+    pub delay: Duration,
+    pub status: u16,
+    /// A fixed body; `None` for the default JSON naming the execution.
+    pub body: Option<Bytes>,
+    /// Statuses for the next executions, consumed one by one before `status` applies.
+    pub script: Vec<u16>,
+}
+
+impl Default for Behavior {
+    fn default() -> Self {
+        Behavior {
+            delay: Duration::ZERO,
+            status: 201,
+            body: None,
+            script: Vec::new(),
+        }
+    }
+}
+
+/// One request as the upstream saw it.
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub method: String,
+    pub uri: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+#[derive(Default)]
+struct State {
+    executions: AtomicUsize,
+    /// Executions that finished sending their answer.
+    answered: AtomicUsize,
+    behavior: Mutex<Behavior>,
+    seen: Mutex<Vec<Seen>>,
+}
+
+pub struct Upstream {
+    pub addr: SocketAddr,
+    state: Arc<State>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        Upstream::start_with(Behavior::default()).await
+    }
+
+    pub async fn start_with(behavior: Behavior) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        Upstream::serve(listener, behavior)
+    }
+
+    /// Serves on a given listener (to restart an upstream on the same port).
+    pub fn serve(listener: TcpListener, behavior: Behavior) -> Upstream {
+        let addr = listener.local_addr().expect("local addr");
+        let state = Arc::new(State {
+            behavior: Mutex::new(behavior),
+            ..Default::default()
+        });
+        let st = Arc::clone(&state);
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let st = Arc::clone(&st);
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let st = Arc::clone(&st);
+                        async move { Ok::<_, Infallible>(answer(&st, req).await) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream {
+            addr,
+            state,
+            _task: task,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many requests reached the upstream.
+    pub fn executions(&self) -> usize {
+        self.state.executions.load(Ordering::SeqCst)
+    }
+
+    /// How many executions finished their answer.
+    pub fn answered(&self) -> usize {
+        self.state.answered.load(Ordering::SeqCst)
+    }
+
+    pub fn set(&self, behavior: Behavior) {
+        *self.state.behavior.lock().unwrap() = behavior;
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.state.seen.lock().unwrap().clone()
+    }
+}
+
+async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let (parts, body) = req.into_parts();
+    let body = body
+        .collect()
+        .await
+        .map(|c| c.to_bytes())
+        .unwrap_or_default();
+    let n = state.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    state.seen.lock().unwrap().push(Seen {
+        method: parts.method.to_string(),
+        uri: parts.uri.to_string(),
+        headers: parts.headers.clone(),
+        body: body.clone(),
+    });
+    let (delay, status, fixed) = {
+        let mut b = state.behavior.lock().unwrap();
+        let status = if b.script.is_empty() {
+            b.status
+        } else {
+            b.script.remove(0)
+        };
+        (b.delay, status, b.body.clone())
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let body = fixed.unwrap_or_else(|| {
+        Bytes::from(format!(
+            "{{\"execution\":{n},\"method\":\"{}\",\"path\":\"{}\",\"received_bytes\":{}}}",
+            parts.method,
+            parts.uri.path(),
+            body.len()
+        ))
+    });
+    state.answered.fetch_add(1, Ordering::SeqCst);
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .header("etag", format!("\"e{n}\""))
+        .header("set-cookie", "session=secret")
+        .header("x-upstream", "1")
+        .body(Full::new(body))
+        .expect("valid response")
+}
