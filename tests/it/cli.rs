@@ -1,0 +1,76 @@
+//! The real binary: `check` exit codes, and `serve` refusing a bad config before binding.
+
+use std::process::Command;
+
+fn idemgate() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+}
+
+fn example() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/gateway.example.yaml")
+}
+
+#[test]
+fn check_accepts_the_example_and_prints_its_routes() {
+    let out = idemgate()
+        .args(["check", "--config"])
+        .arg(example())
+        .env("DATABASE_URL", "postgres://u@localhost/db")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout
+            .contains("route[0] payment-webhooks: path /webhooks/payments methods POST -> ledger"),
+        "{stdout}"
+    );
+    assert!(
+        !stdout.contains("postgres://"),
+        "the database URL (a secret) is not printed"
+    );
+}
+
+#[test]
+fn a_bad_config_exits_64_naming_the_yaml_path() {
+    let dir = std::env::temp_dir().join(format!("idemgate-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    let text = std::fs::read_to_string(example())
+        .unwrap()
+        .replace("lease: 45s", "lease: 30s");
+    std::fs::write(&bad, text).unwrap();
+    for verb in ["check", "serve"] {
+        let out = idemgate()
+            .args([verb, "--config"])
+            .arg(&bad)
+            .env("DATABASE_URL", "postgres://u@localhost/db")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{verb}: {stderr}");
+        assert!(
+            stderr.contains(
+                "routes[0].idempotency.lease: must be longer than upstream 'ledger' timeout (30s)"
+            ),
+            "{verb}: {stderr}"
+        );
+    }
+    let out = idemgate()
+        .args(["check", "--config"])
+        .arg(example())
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("environment variable DATABASE_URL is not set")
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
