@@ -69,6 +69,7 @@ struct RawAdmin {
 #[serde(deny_unknown_fields)]
 struct RawServer {
     max_connections: Option<usize>,
+    max_header_bytes: Option<RawSize>,
     header_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
     tls: Option<Value>,
@@ -215,6 +216,8 @@ pub struct AdminConfig {
 pub struct ServerConfig {
     /// Connections served at once; further ones wait in the listen backlog.
     pub max_connections: usize,
+    /// Largest request head accepted (431 beyond it); at least 8KiB (hyper's minimum).
+    pub max_header_bytes: usize,
     /// Time a client has to send a complete request head (slowloris bound).
     pub header_read_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
@@ -376,6 +379,7 @@ pub mod defaults {
 
     pub const LISTEN: &str = "0.0.0.0:8080";
     pub const MAX_CONNECTIONS: usize = 10_000;
+    pub const MAX_HEADER_BYTES: usize = 64 * 1024;
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const POOL_SIZE: usize = 16;
@@ -661,8 +665,17 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     if max_connections == 0 {
         return Err(invalid("server.max_connections", "must be at least 1"));
     }
+    let max_header_bytes = size_or(
+        "server.max_header_bytes",
+        raw.server.max_header_bytes.as_ref(),
+        defaults::MAX_HEADER_BYTES,
+    )?;
+    if max_header_bytes < 8192 {
+        return Err(invalid("server.max_header_bytes", "must be at least 8KiB"));
+    }
     let server = ServerConfig {
         max_connections,
+        max_header_bytes,
         header_read_timeout: duration_or(
             "server.header_read_timeout",
             raw.server.header_read_timeout.as_ref(),

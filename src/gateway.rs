@@ -12,6 +12,7 @@
 //!   committed, the client gets 503 and the key stays in flight until its lease ends.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -19,6 +20,7 @@ use http::header::{self, HeaderValue};
 use http::{Request, Response};
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::config::Idempotency;
@@ -44,6 +46,51 @@ pub struct Gateway {
     config: Arc<Config>,
     store: Arc<dyn Store>,
     upstreams: Upstreams,
+    jobs: Arc<Jobs>,
+}
+
+/// Counts forward jobs still running (including those whose client left), so that shutdown
+/// can let them record their outcome.
+#[derive(Default)]
+pub struct Jobs {
+    running: AtomicUsize,
+    idle: Notify,
+}
+
+/// Held by a running job; the last one out wakes whoever waits for idleness.
+struct JobGuard(Arc<Jobs>);
+
+impl Jobs {
+    fn start(self: &Arc<Self>) -> JobGuard {
+        self.running.fetch_add(1, Ordering::SeqCst);
+        JobGuard(Arc::clone(self))
+    }
+
+    /// How many jobs are running now.
+    pub fn running(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once no job is running.
+    pub async fn wait_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.running() == 0 {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for JobGuard {
+    fn drop(&mut self) {
+        if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl Gateway {
@@ -53,7 +100,13 @@ impl Gateway {
             config,
             store,
             upstreams,
+            jobs: Arc::default(),
         }
+    }
+
+    /// The forward jobs in flight.
+    pub fn jobs(&self) -> &Jobs {
+        &self.jobs
     }
 
     pub fn config(&self) -> &Config {
@@ -81,7 +134,13 @@ impl Gateway {
                 } else {
                     tracing::debug!(%method, %path, status = problem.status.as_u16(), error = %err, "request refused");
                 }
-                problem.into_response()
+                let close = err.closes_connection();
+                let mut resp = problem.into_response();
+                if close {
+                    resp.headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                }
+                resp
             }
         }
     }
@@ -157,6 +216,7 @@ impl Gateway {
             fingerprint: &fp,
             lease: idem.lease,
             ttl: idem.ttl,
+            hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
 
         let deadline = Instant::now() + idem.wait_timeout;
@@ -279,8 +339,10 @@ impl ForwardJob {
     /// task goes on and still records the outcome.
     async fn spawn(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let guard = self.gateway.jobs.start();
         tokio::spawn(async move {
             let result = self.run(request).await;
+            drop(guard);
             let _ = tx.send(result);
         });
         rx.await.unwrap_or_else(|_| {

@@ -33,6 +33,7 @@ pub enum GatewayError {
     BodyTooLarge { limit: usize },
     #[error("reading the request body failed: {0}")]
     BodyRead(String),
+
     #[error("same key, different request")]
     FingerprintMismatch,
     #[error("a request with this key is in flight")]
@@ -51,6 +52,17 @@ pub enum GatewayError {
     OutcomeUnknown,
     #[error("the stored response was too large to replay")]
     NotReplayable,
+}
+
+impl GatewayError {
+    /// Whether the connection must close after this answer: the request body was not read
+    /// (or cannot be trusted), so nothing after it on the connection can be parsed safely.
+    pub fn closes_connection(&self) -> bool {
+        matches!(
+            self,
+            GatewayError::BodyTooLarge { .. } | GatewayError::BodyRead(_)
+        )
+    }
 }
 
 /// A rendered problem: status, slug, title, detail and an optional `Retry-After`.

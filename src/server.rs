@@ -5,7 +5,9 @@
 //! connections are served at once (further ones wait in the kernel's accept backlog); a
 //! client that does not finish its request head within `header_read_timeout` is cut off
 //! (hyper needs a timer for that, or the timeout is silently off); after shutdown starts no
-//! connection is accepted, and open ones get `shutdown_grace` to finish their requests.
+//! connection is accepted, and open ones get `shutdown_grace` to finish their requests, as do
+//! forwards whose client left. What is still in flight when the grace ends is cut: its key
+//! keeps its lease and is never marked done.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -34,8 +36,12 @@ pub async fn run(
     builder
         .http1()
         .timer(TokioTimer::new())
-        .header_read_timeout(cfg.header_read_timeout);
-    builder.http2().timer(TokioTimer::new());
+        .header_read_timeout(cfg.header_read_timeout)
+        .max_buf_size(cfg.max_header_bytes);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(cfg.max_header_bytes).unwrap_or(u32::MAX));
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(cfg.max_connections));
     tokio::pin!(shutdown);
@@ -76,8 +82,13 @@ pub async fn run(
 
     drop(listener);
     tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: draining connections");
+    let drain = async {
+        graceful.shutdown().await;
+        // Jobs whose client left are not tied to a connection: let them record too.
+        gateway.jobs().wait_idle().await;
+    };
     tokio::select! {
-        () = graceful.shutdown() => tracing::info!("all connections closed"),
+        () = drain => tracing::info!("all connections closed and every forward recorded"),
         () = tokio::time::sleep(cfg.shutdown_grace) => {
             tracing::warn!("shutdown grace ended with requests still in flight; their keys are left to their leases");
         }

@@ -48,6 +48,9 @@ pub struct ClaimRequest<'a> {
     pub fingerprint: &'a Fingerprint,
     pub lease: Duration,
     pub ttl: Duration,
+    /// `on_unknown_outcome: hold`: an expired lease is not taken over but reported as
+    /// [`Claim::Held`] (its attempt crashed or hung: the outcome is unknown).
+    pub hold_expired_leases: bool,
 }
 
 /// What the claim found.
@@ -62,7 +65,8 @@ pub enum Claim {
     InFlight,
     /// The key was used with a different request.
     Mismatch,
-    /// The outcome of the first attempt is unknown and the route holds such keys.
+    /// The outcome of the first attempt is unknown and the route holds such keys (recorded
+    /// as unknown, or an expired lease on a holding route).
     Held,
     /// Completed, but the response was too large to store.
     NotReplayable { status: u16 },

@@ -5,6 +5,9 @@
 //!   in a CTE, plus a read of the existing row when nothing was claimed). Under READ COMMITTED
 //!   the read can miss a row committed after the statement's snapshot; the statement then
 //!   returns nothing and is simply run again (a new snapshot sees the row).
+//! - An in-flight row whose lease expired is taken over, unless the route holds unknown
+//!   outcomes: then it stays as it is and is reported as held (its attempt may still finish
+//!   and record its answer; an operator may delete it).
 //! - Every write after a claim carries `lease_token = $token`, so an attempt whose lease was
 //!   taken over can never overwrite its successor.
 //! - `now()` (the database clock) sets every lease and expiry.
@@ -52,15 +55,16 @@ WITH claimed AS (
         completed_at = NULL,
         expires_at = EXCLUDED.expires_at
     WHERE k.expires_at <= now()
-       OR (k.state = 'in_flight' AND k.lease_expires_at <= now())
+       OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now())
     RETURNING k.lease_token, k.attempts
 )
 SELECT 'claimed' AS state, c.lease_token::text AS token, c.attempts,
        NULL::bytea AS fingerprint, NULL::integer AS status,
-       NULL::bytea AS headers, NULL::bytea AS body
+       NULL::bytea AS headers, NULL::bytea AS body, false AS lease_expired
   FROM claimed c
 UNION ALL
-SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body
+SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
+       k.state = 'in_flight' AND k.lease_expires_at <= now()
   FROM idemgate_keys k
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
@@ -126,11 +130,16 @@ pub struct PgStore {
 /// Client-side slack on top of the server's statement timeout.
 const CLIENT_SLACK: Duration = Duration::from_millis(200);
 
+/// Classifies by `SqlState` and error source, never by message text.
 fn pg_error(e: tokio_postgres::Error) -> StoreError {
+    use std::error::Error as _;
     if e.code() == Some(&SqlState::QUERY_CANCELED) {
         return StoreError::Timeout;
     }
-    if e.is_closed() || e.code().is_none() {
+    let io = e
+        .source()
+        .is_some_and(|s| s.downcast_ref::<std::io::Error>().is_some());
+    if e.is_closed() || io {
         return StoreError::Connect(crate::forward::error_chain(&e));
     }
     StoreError::Db(crate::forward::error_chain(&e))
@@ -256,7 +265,15 @@ impl PgStore {
                 let stmt = c.prepare_cached(CLAIM_SQL).await?;
                 c.query_opt(
                     &stmt,
-                    &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms],
+                    &[
+                        &req.scope,
+                        &req.key,
+                        &req.route,
+                        &fp,
+                        &lease_ms,
+                        &ttl_ms,
+                        &req.hold_expired_leases,
+                    ],
                 )
                 .await
             })
@@ -279,7 +296,10 @@ impl PgStore {
             s.and_then(|s| u16::try_from(s).ok())
                 .ok_or(StoreError::Corrupt("missing status"))
         };
+        let lease_expired: bool = row.get("lease_expired");
         Ok(Some(match state {
+            // Only a route that holds unknown outcomes leaves an expired lease in place.
+            "in_flight" if lease_expired => Claim::Held,
             "in_flight" => Claim::InFlight,
             "unknown" => Claim::Held,
             "not_replayable" => Claim::NotReplayable { status: status()? },

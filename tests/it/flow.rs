@@ -272,6 +272,7 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again() {
             fingerprint: &fp,
             lease: Duration::from_millis(1500),
             ttl: Duration::from_secs(60),
+            hold_expired_leases: false,
         })
         .await
         .unwrap();

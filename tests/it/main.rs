@@ -3,6 +3,7 @@
 mod cli;
 mod config_files;
 mod flow;
+mod hostile_clients;
 mod status_table;
 mod store_outage;
 mod support;
