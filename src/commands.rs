@@ -62,6 +62,7 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
             let _ = rx.wait_for(|s| *s).await;
         }));
     }
+    tokio::spawn(gc_loop(store.clone(), config.gc.clone(), stop_rx.clone()));
     let gateway = Arc::new(Gateway::new(Arc::clone(&config), store));
     crate::server::run(
         listener,
@@ -72,6 +73,35 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     .await;
     let _ = stop_tx.send(true);
     Ok(())
+}
+
+/// Collects expired rows every `interval` until shutdown; errors are logged and retried at
+/// the next tick.
+async fn gc_loop(
+    store: Arc<PgStore>,
+    cfg: crate::config::GcConfig,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        match store.gc(cfg.batch_size).await {
+            Ok(run) if run.deleted > 0 => tracing::info!(deleted = run.deleted, "expired keys collected"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "collecting expired keys failed"),
+        }
+    }
+}
+
+/// `idemgate gc`: delete expired rows once.
+pub async fn gc(path: &Path) -> Result<crate::store::GcRun, CommandError> {
+    let config = Config::load(path)?;
+    let store = open_store(&config)?;
+    Ok(store.gc(config.gc.batch_size).await?)
 }
 
 /// `idemgate check`: validate and print the resolved routes.

@@ -80,6 +80,14 @@ struct RawServer {
 struct RawStore {
     postgres: Option<RawPostgres>,
     sqlite: Option<Value>,
+    gc: Option<RawGc>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGc {
+    interval: Option<String>,
+    batch_size: Option<usize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -201,6 +209,7 @@ pub struct Config {
     pub admin: Option<AdminConfig>,
     pub server: ServerConfig,
     pub store: StoreConfig,
+    pub gc: GcConfig,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     /// Routes in file order: the first that matches wins.
@@ -222,6 +231,13 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
     pub shutdown_grace: Duration,
+}
+
+/// Collection of expired rows: one instance at a time, in small batches.
+#[derive(Debug, Clone)]
+pub struct GcConfig {
+    pub interval: Duration,
+    pub batch_size: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -383,6 +399,8 @@ pub mod defaults {
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const POOL_SIZE: usize = 16;
+    pub const GC_INTERVAL: Duration = Duration::from_secs(60);
+    pub const GC_BATCH_SIZE: usize = 1000;
     pub const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(500);
     pub const PG_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
     pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -744,6 +762,19 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     };
 
+    let gc = GcConfig {
+        interval: duration_or(
+            "store.gc.interval",
+            raw.store.gc.as_ref().and_then(|g| g.interval.as_ref()),
+            defaults::GC_INTERVAL,
+        )?,
+        batch_size: match raw.store.gc.as_ref().and_then(|g| g.batch_size) {
+            None => defaults::GC_BATCH_SIZE,
+            Some(0) => return Err(invalid("store.gc.batch_size", "must be at least 1")),
+            Some(n) => n,
+        },
+    };
+
     let mut upstreams = BTreeMap::new();
     for (name, up) in raw.upstreams {
         let base = format!("upstreams.{name}");
@@ -858,6 +889,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         admin,
         server,
         store,
+        gc,
         upstreams,
         routes,
     })

@@ -34,6 +34,11 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Delete expired rows once (one instance at a time; a no-op while another collects).
+    Gc {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
     /// Inspect or release stored keys.
     Keys {
         #[command(subcommand)]
@@ -92,6 +97,15 @@ fn main() -> ExitCode {
             Command::Migrate { config } => {
                 let n = commands::migrate(&config).await?;
                 println!("applied {n} migration(s)");
+                Ok(())
+            }
+            Command::Gc { config } => {
+                let run = commands::gc(&config).await?;
+                if run.ran {
+                    println!("deleted {} expired key(s)", run.deleted);
+                } else {
+                    println!("another instance is collecting expired keys; nothing done");
+                }
                 Ok(())
             }
             Command::Keys { command } => match command {

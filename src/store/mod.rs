@@ -102,6 +102,15 @@ pub struct KeyInfo {
     pub fingerprint_hex: String,
 }
 
+/// What one garbage collection did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcRun {
+    /// Expired rows deleted.
+    pub deleted: u64,
+    /// False when another instance held the collection lock, so this one did nothing.
+    pub ran: bool,
+}
+
 pub trait Store: Send + Sync + 'static {
     /// Claims `(scope, key)` in one statement; see the module docs.
     fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>>;
@@ -129,6 +138,9 @@ pub trait Store: Send + Sync + 'static {
         scope: &'a str,
         key: &'a str,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
+    fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;
 
     /// Whether the store answers and its schema is current.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>>;

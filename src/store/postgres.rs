@@ -22,7 +22,9 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, R
 use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 
-use super::{BoxFuture, Claim, ClaimRequest, KeyInfo, LeaseToken, Outcome, Store, StoreError};
+use super::{
+    BoxFuture, Claim, ClaimRequest, GcRun, KeyInfo, LeaseToken, Outcome, Store, StoreError,
+};
 use crate::config::PostgresConfig;
 use crate::fingerprint::hex;
 use crate::replay::StoredResponse;
@@ -85,6 +87,19 @@ SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
        created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
        fingerprint
   FROM idemgate_keys WHERE scope = $1 AND key = $2";
+
+/// The advisory lock that lets one instance at a time collect expired rows.
+const GC_LOCK: i64 = 0x1de0_6a7e_0002;
+
+/// One batch of expired rows, by full key (so it works on a table partitioned by scope);
+/// rows locked by a concurrent claim are skipped, not waited for.
+const GC_SQL: &str = "
+DELETE FROM idemgate_keys
+ WHERE (scope, key) IN (SELECT scope, key FROM idemgate_keys
+                         WHERE expires_at <= now()
+                         ORDER BY expires_at
+                         LIMIT $1
+                           FOR UPDATE SKIP LOCKED)";
 
 const DELETE_SQL: &str = "DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2";
 
@@ -418,6 +433,46 @@ impl Store for PgStore {
                 })
                 .await?;
             Ok(n == 1)
+        })
+    }
+
+    fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>> {
+        Box::pin(async move {
+            let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
+            let mut deleted = 0u64;
+            loop {
+                // One short transaction per batch, each under the collection lock.
+                let mut obj = self.conn().await?;
+                let bound = self.statement_timeout * 2 + CLIENT_SLACK;
+                let step = async {
+                    let tx = obj.transaction().await?;
+                    let locked: bool = tx
+                        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&GC_LOCK])
+                        .await?
+                        .get(0);
+                    if !locked {
+                        return Ok(None);
+                    }
+                    let stmt = tx.prepare_cached(GC_SQL).await?;
+                    let n = tx.execute(&stmt, &[&batch]).await?;
+                    tx.commit().await?;
+                    Ok::<_, tokio_postgres::Error>(Some(n))
+                };
+                match tokio::time::timeout(bound, step).await {
+                    Err(_) => {
+                        drop(Object::take(obj));
+                        return Err(StoreError::Timeout);
+                    }
+                    Ok(Err(e)) => return Err(pg_error(e)),
+                    Ok(Ok(None)) => return Ok(GcRun { deleted, ran: deleted > 0 }),
+                    Ok(Ok(Some(n))) => {
+                        deleted += n;
+                        if n < batch as u64 {
+                            return Ok(GcRun { deleted, ran: true });
+                        }
+                    }
+                }
+            }
         })
     }
 

@@ -5,5 +5,6 @@ mod config_files;
 mod flow;
 mod hostile_clients;
 mod status_table;
+mod operator_tools;
 mod store_outage;
 mod support;
