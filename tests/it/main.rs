@@ -8,3 +8,4 @@ mod status_table;
 mod operator_tools;
 mod store_outage;
 mod support;
+mod upstream_faults;

@@ -1,0 +1,102 @@
+//! A misbehaving upstream, through the fault proxy: each fault ends in the status and key
+//! state SPEC section 2 names, and a retry after it does the right thing.
+
+use std::time::Duration;
+
+use crate::support::fault_proxy::{Fault, FaultProxy};
+use crate::support::*;
+
+/// Upstream behind a fault proxy, gateway in front; upstream timeout 1s, lease 3s.
+async fn setup(fault: Fault, idem: &str) -> (Upstream, FaultProxy, TestGateway) {
+    let up = Upstream::start().await;
+    let proxy = FaultProxy::start(up.addr, fault).await;
+    let db = pg::fresh_database().await;
+    let idem = format!("lease: 3s\n      {idem}");
+    let yaml = config_yaml(&db, &proxy.url(), &idem).replace("timeout: 5s", "timeout: 1s");
+    let gw = TestGateway::start(&yaml, &db).await;
+    (up, proxy, gw)
+}
+
+#[tokio::test]
+async fn connection_refused_is_502_and_the_key_is_released() {
+    let (up, proxy, gw) = setup(Fault::Refuse, "").await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
+    assert_eq!(row_state(&gw, "a", "k").await, None);
+    assert_eq!(up.executions(), 0);
+    proxy.set(Fault::Pass).await;
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_reset_after_the_request_was_sent_is_an_unknown_outcome() {
+    // reforward: released, so a retry forwards.
+    let (up, proxy, gw) = setup(Fault::ResetBeforeResponse, "").await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
+    assert_eq!(row_state(&gw, "a", "k").await, None, "reforward releases the key");
+    proxy.set(Fault::Pass).await;
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    assert_eq!(up.executions(), 1);
+
+    // hold: the key is held, retries get 502 outcome-unknown and nothing is forwarded.
+    let (up, _proxy, gw) = setup(Fault::ResetBeforeResponse, "on_unknown_outcome: hold").await;
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r.status, 502);
+    assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("unknown"));
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((retry.status, retry.problem().as_str()), (502, "outcome-unknown"));
+    assert_eq!(up.executions(), 0);
+}
+
+#[tokio::test]
+async fn a_connection_cut_mid_body_is_502_and_never_stored_truncated() {
+    let (up, proxy, gw) = setup(Fault::CutMidBody { after: 150 }, "").await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
+    assert_eq!(up.executions(), 1, "the upstream did the work");
+    assert_eq!(row_state(&gw, "a", "k").await, None, "reforward releases the key");
+    proxy.set(Fault::Pass).await;
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed(), "nothing truncated was stored to replay");
+    assert_eq!(retry.json()["execution"], 2, "forwarded again: a counted double");
+}
+
+#[tokio::test]
+async fn a_blackholed_upstream_is_504_after_its_timeout() {
+    let (up, proxy, gw) = setup(Fault::Blackhole, "").await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "upstream-timeout"));
+    assert_eq!(row_state(&gw, "a", "k").await, None);
+    proxy.set(Fault::Pass).await;
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_body_slower_than_the_timeout_is_504() {
+    let (up, proxy, gw) = setup(
+        Fault::SlowBody {
+            chunk: 10,
+            pause: Duration::from_millis(100),
+        },
+        "",
+    )
+    .await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "upstream-timeout"));
+    assert_eq!(up.executions(), 1);
+    assert_eq!(row_state(&gw, "a", "k").await, None);
+    proxy.set(Fault::Pass).await;
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(retry.status, 201);
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert_eq!(up.executions(), 2);
+}
