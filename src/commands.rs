@@ -90,7 +90,9 @@ async fn gc_loop(
             _ = stop.wait_for(|s| *s) => return,
         }
         match store.gc(cfg.batch_size).await {
-            Ok(run) if run.deleted > 0 => tracing::info!(deleted = run.deleted, "expired keys collected"),
+            Ok(run) if run.deleted > 0 => {
+                tracing::info!(deleted = run.deleted, "expired keys collected")
+            }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "collecting expired keys failed"),
         }

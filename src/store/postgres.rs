@@ -464,7 +464,12 @@ impl Store for PgStore {
                         return Err(StoreError::Timeout);
                     }
                     Ok(Err(e)) => return Err(pg_error(e)),
-                    Ok(Ok(None)) => return Ok(GcRun { deleted, ran: deleted > 0 }),
+                    Ok(Ok(None)) => {
+                        return Ok(GcRun {
+                            deleted,
+                            ran: deleted > 0,
+                        });
+                    }
                     Ok(Ok(Some(n))) => {
                         deleted += n;
                         if n < batch as u64 {

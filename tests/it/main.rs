@@ -2,10 +2,11 @@
 
 mod cli;
 mod config_files;
+mod crash_and_shutdown;
 mod flow;
 mod hostile_clients;
-mod status_table;
 mod operator_tools;
+mod status_table;
 mod store_outage;
 mod support;
 mod upstream_faults;

@@ -8,7 +8,11 @@ use crate::support::*;
 
 /// Inserts `n` rows under `scope`, expired (`past`) or live.
 async fn insert_rows(db: &tokio_postgres::Client, scope: &str, n: i32, past: bool) {
-    let expiry = if past { "now() - interval '1 hour'" } else { "now() + interval '1 hour'" };
+    let expiry = if past {
+        "now() - interval '1 hour'"
+    } else {
+        "now() + interval '1 hour'"
+    };
     db.execute(
         &format!(
             "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, status, headers, body, expires_at)
@@ -22,10 +26,13 @@ async fn insert_rows(db: &tokio_postgres::Client, scope: &str, n: i32, past: boo
 }
 
 async fn count(db: &tokio_postgres::Client, scope: &str) -> i64 {
-    db.query_one("SELECT count(*) FROM idemgate_keys WHERE scope = $1", &[&scope])
-        .await
-        .unwrap()
-        .get(0)
+    db.query_one(
+        "SELECT count(*) FROM idemgate_keys WHERE scope = $1",
+        &[&scope],
+    )
+    .await
+    .unwrap()
+    .get(0)
 }
 
 #[tokio::test]
@@ -36,7 +43,13 @@ async fn gc_deletes_expired_rows_in_batches_and_keeps_live_ones() {
     insert_rows(&db, "old", 2500, true).await;
     insert_rows(&db, "live", 10, false).await;
     let run = gw.store.gc(1000).await.unwrap();
-    assert_eq!(run, idemgate::store::GcRun { deleted: 2500, ran: true });
+    assert_eq!(
+        run,
+        idemgate::store::GcRun {
+            deleted: 2500,
+            ran: true
+        }
+    );
     assert_eq!(count(&db, "old").await, 0);
     assert_eq!(count(&db, "live").await, 10);
 }
@@ -54,7 +67,13 @@ async fn gc_runs_on_one_instance_at_a_time() {
         .await
         .unwrap();
     let run = gw.store.gc(1000).await.unwrap();
-    assert_eq!(run, idemgate::store::GcRun { deleted: 0, ran: false });
+    assert_eq!(
+        run,
+        idemgate::store::GcRun {
+            deleted: 0,
+            ran: false
+        }
+    );
     assert_eq!(count(&db, "old").await, 5);
     tx.rollback().await.unwrap();
     assert_eq!(gw.store.gc(1000).await.unwrap().deleted, 5);
@@ -72,7 +91,9 @@ fn write_config(gw: &TestGateway, upstream: &str) -> std::path::PathBuf {
 
 fn idemgate(args: &[&str], config: &std::path::Path) -> (i32, String, String) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
-    cmd.args(&args[..args.len().min(2)]).arg("--config").arg(config);
+    cmd.args(&args[..args.len().min(2)])
+        .arg("--config")
+        .arg(config);
     cmd.args(&args[args.len().min(2)..]);
     let out = cmd.output().unwrap();
     (
@@ -91,7 +112,10 @@ async fn keys_show_and_delete_from_the_command_line() {
     let cfg = write_config(&gw, &up.url());
     let cfg2 = cfg.clone();
     let shown = tokio::task::spawn_blocking(move || {
-        idemgate(&["keys", "show", "--scope", "acct 1", "--key", "k-1"], &cfg2)
+        idemgate(
+            &["keys", "show", "--scope", "acct 1", "--key", "k-1"],
+            &cfg2,
+        )
     })
     .await
     .unwrap();
@@ -103,7 +127,10 @@ async fn keys_show_and_delete_from_the_command_line() {
 
     let cfg2 = cfg.clone();
     let deleted = tokio::task::spawn_blocking(move || {
-        idemgate(&["keys", "delete", "--scope", "acct 1", "--key", "k-1"], &cfg2)
+        idemgate(
+            &["keys", "delete", "--scope", "acct 1", "--key", "k-1"],
+            &cfg2,
+        )
     })
     .await
     .unwrap();
@@ -115,12 +142,18 @@ async fn keys_show_and_delete_from_the_command_line() {
 
     let cfg2 = cfg.clone();
     let missing = tokio::task::spawn_blocking(move || {
-        idemgate(&["keys", "show", "--scope", "nobody", "--key", "none"], &cfg2)
+        idemgate(
+            &["keys", "show", "--scope", "nobody", "--key", "none"],
+            &cfg2,
+        )
     })
     .await
     .unwrap();
     assert_eq!(missing.0, 1);
-    assert!(missing.2.contains("no key 'none' in scope 'nobody'"), "{missing:?}");
+    assert!(
+        missing.2.contains("no key 'none' in scope 'nobody'"),
+        "{missing:?}"
+    );
 
     let cfg2 = cfg.clone();
     let gc = tokio::task::spawn_blocking(move || idemgate(&["gc"], &cfg2))

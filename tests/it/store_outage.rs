@@ -114,3 +114,107 @@ async fn pass_through_forwards_without_idempotency_and_says_so() {
     assert_eq!(r.headers["idempotency-status"], "bypassed");
     assert_eq!(up.executions(), 2);
 }
+
+#[tokio::test]
+async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
+        .await
+        .unwrap();
+    let db = cluster.new_database().await;
+    let up = Upstream::start().await;
+    let gw = Arc::new(TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await);
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..8)
+        .map(|w| {
+            let (gw, stop, c) = (Arc::clone(&gw), Arc::clone(&stop), client());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                // Bounded: stops when told, or after 2,000 requests.
+                for i in 0..2000 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let started = Instant::now();
+                    let r = post(&c, &gw, "load", &format!("w{w}-{i}"), "x").await;
+                    seen.push((r, started.elapsed()));
+                }
+                seen
+            })
+        })
+        .collect();
+    wait_until("traffic flows", Duration::from_secs(10), || async {
+        up.executions() > 20
+    })
+    .await;
+    let cluster = tokio::task::spawn_blocking(move || {
+        cluster.pg_stop_immediate();
+        cluster
+    })
+    .await
+    .unwrap();
+    let during = up.executions();
+    // Let the outage last a while under load.
+    let c = client();
+    for i in 0..5 {
+        let r = post(&c, &gw, "probe", &format!("p{i}"), "x").await;
+        assert_eq!(r.status, 503);
+    }
+    let _cluster = tokio::task::spawn_blocking(move || {
+        cluster.pg_start();
+        cluster
+    })
+    .await
+    .unwrap();
+    let probes = std::sync::atomic::AtomicUsize::new(0);
+    let probes_ok = std::sync::atomic::AtomicUsize::new(0);
+    wait_until(
+        "traffic recovers without a restart",
+        Duration::from_secs(20),
+        || async {
+            let n = probes.fetch_add(1, Ordering::SeqCst);
+            let r = post(&c, &gw, "probe", &format!("after-{n}"), "x").await;
+            if r.status == 201 {
+                probes_ok.fetch_add(1, Ordering::SeqCst);
+            }
+            r.status == 201
+        },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+
+    let (mut ok, mut refused, mut unrecorded) = (0, 0, 0);
+    for w in workers {
+        for (r, elapsed) in w.await.unwrap() {
+            match r.status {
+                201 => ok += 1,
+                503 => {
+                    assert!(elapsed < BOUND, "a 503 after {elapsed:?}, past the bound");
+                    if r.json()["detail"]
+                        .as_str()
+                        .unwrap()
+                        .contains("could not be recorded")
+                    {
+                        unrecorded += 1; // forwarded before the crash, not stored after it
+                    } else {
+                        refused += 1;
+                    }
+                }
+                other => panic!("unexpected status {other}: {r:?}"),
+            }
+        }
+    }
+    assert!(refused > 0, "the outage was seen by the load");
+    assert!(during <= up.executions());
+    // Every execution is a stored answer or a request forwarded before the crash whose answer
+    // could not be recorded: no request refused with 503 store-unavailable was forwarded.
+    let probes_ok = probes_ok.load(Ordering::SeqCst);
+    assert_eq!(probes_ok, 1);
+    assert_eq!(
+        up.executions(),
+        ok + unrecorded + probes_ok,
+        "{ok} stored + {unrecorded} unrecorded + {probes_ok} probe; {refused} refused"
+    );
+}

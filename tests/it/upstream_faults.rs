@@ -22,7 +22,10 @@ async fn connection_refused_is_502_and_the_key_is_released() {
     let (up, proxy, gw) = setup(Fault::Refuse, "").await;
     let c = client();
     let r = post(&c, &gw, "a", "k", "x").await;
-    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
+    assert_eq!(
+        (r.status, r.problem().as_str()),
+        (502, "upstream-unavailable")
+    );
     assert_eq!(row_state(&gw, "a", "k").await, None);
     assert_eq!(up.executions(), 0);
     proxy.set(Fault::Pass).await;
@@ -36,8 +39,15 @@ async fn a_reset_after_the_request_was_sent_is_an_unknown_outcome() {
     let (up, proxy, gw) = setup(Fault::ResetBeforeResponse, "").await;
     let c = client();
     let r = post(&c, &gw, "a", "k", "x").await;
-    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
-    assert_eq!(row_state(&gw, "a", "k").await, None, "reforward releases the key");
+    assert_eq!(
+        (r.status, r.problem().as_str()),
+        (502, "upstream-unavailable")
+    );
+    assert_eq!(
+        row_state(&gw, "a", "k").await,
+        None,
+        "reforward releases the key"
+    );
     proxy.set(Fault::Pass).await;
     assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
     assert_eq!(up.executions(), 1);
@@ -48,7 +58,10 @@ async fn a_reset_after_the_request_was_sent_is_an_unknown_outcome() {
     assert_eq!(r.status, 502);
     assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("unknown"));
     let retry = post(&c, &gw, "a", "k", "x").await;
-    assert_eq!((retry.status, retry.problem().as_str()), (502, "outcome-unknown"));
+    assert_eq!(
+        (retry.status, retry.problem().as_str()),
+        (502, "outcome-unknown")
+    );
     assert_eq!(up.executions(), 0);
 }
 
@@ -57,14 +70,25 @@ async fn a_connection_cut_mid_body_is_502_and_never_stored_truncated() {
     let (up, proxy, gw) = setup(Fault::CutMidBody { after: 150 }, "").await;
     let c = client();
     let r = post(&c, &gw, "a", "k", "x").await;
-    assert_eq!((r.status, r.problem().as_str()), (502, "upstream-unavailable"));
+    assert_eq!(
+        (r.status, r.problem().as_str()),
+        (502, "upstream-unavailable")
+    );
     assert_eq!(up.executions(), 1, "the upstream did the work");
-    assert_eq!(row_state(&gw, "a", "k").await, None, "reforward releases the key");
+    assert_eq!(
+        row_state(&gw, "a", "k").await,
+        None,
+        "reforward releases the key"
+    );
     proxy.set(Fault::Pass).await;
     let retry = post(&c, &gw, "a", "k", "x").await;
     assert_eq!(retry.status, 201);
     assert!(!retry.replayed(), "nothing truncated was stored to replay");
-    assert_eq!(retry.json()["execution"], 2, "forwarded again: a counted double");
+    assert_eq!(
+        retry.json()["execution"],
+        2,
+        "forwarded again: a counted double"
+    );
 }
 
 #[tokio::test]

@@ -65,7 +65,9 @@ impl FaultProxy {
                 let _ = task.await;
             }
         } else if fault != Fault::Refuse && !running {
-            let listener = TcpListener::bind(self.addr).await.expect("rebind proxy port");
+            let listener = TcpListener::bind(self.addr)
+                .await
+                .expect("rebind proxy port");
             self.listen(listener);
         }
     }
@@ -103,7 +105,7 @@ async fn handle(mut client: TcpStream, target: SocketAddr, fault: Fault) {
         Fault::Refuse => {}
         Fault::ResetBeforeResponse => {
             let _ = read_request(&mut client).await;
-            let _ = client.set_linger(Some(Duration::ZERO));
+            let _ = client.set_zero_linger();
             drop(client); // RST
         }
         Fault::Blackhole => {

@@ -3,6 +3,7 @@
 
 pub mod fault_proxy;
 pub mod pg;
+pub mod process;
 pub mod upstream;
 
 use std::future::Future;
@@ -170,7 +171,7 @@ pub fn client() -> TestClient {
         .build(HttpConnector::new())
 }
 
-/// Sends one request; panics only if the connection itself fails (or 30 s pass).
+/// Sends one request; panics if the connection itself fails (or 30 s pass).
 pub async fn send(
     client: &TestClient,
     method: Method,
@@ -178,6 +179,19 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> Reply {
+    try_send(client, method, url, headers, body)
+        .await
+        .unwrap_or_else(|e| panic!("{url}: {e}"))
+}
+
+/// Sends one request; a failed connection (a killed gateway) is an `Err`.
+pub async fn try_send(
+    client: &TestClient,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> Result<Reply, String> {
     let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -185,15 +199,41 @@ pub async fn send(
     let req = req.body(Full::new(body.into())).expect("request");
     let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
         .await
-        .expect("the gateway answered within 30 s")
-        .expect("request sent");
+        .map_err(|_| "no answer within 30 s".to_string())?
+        .map_err(|e| format!("request failed: {e}"))?;
     let (parts, body) = resp.into_parts();
-    let body = body.collect().await.expect("body").to_bytes();
-    Reply {
+    let body = body
+        .collect()
+        .await
+        .map_err(|e| format!("body failed: {e}"))?
+        .to_bytes();
+    Ok(Reply {
         status: parts.status.as_u16(),
         headers: parts.headers,
         body,
-    }
+    })
+}
+
+/// A keyed POST to `url`.
+pub async fn post_to(
+    client: &TestClient,
+    url: &str,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> Reply {
+    send(
+        client,
+        Method::POST,
+        url,
+        &[
+            ("idempotency-key", key),
+            ("x-account-id", account),
+            ("content-type", "application/json"),
+        ],
+        body.to_string(),
+    )
+    .await
 }
 
 /// A keyed POST to the default route.
@@ -204,18 +244,7 @@ pub async fn post(
     key: &str,
     body: &str,
 ) -> Reply {
-    send(
-        client,
-        Method::POST,
-        &gw.url("/pay"),
-        &[
-            ("idempotency-key", key),
-            ("x-account-id", account),
-            ("content-type", "application/json"),
-        ],
-        body.to_string(),
-    )
-    .await
+    post_to(client, &gw.url("/pay"), account, key, body).await
 }
 
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.

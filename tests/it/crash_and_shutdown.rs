@@ -1,0 +1,251 @@
+//! The real binary killed with SIGKILL mid-request, and stopped with SIGTERM: no retry ever
+//! gets a 2xx for work that was not stored, nothing is lost, and shutdown drains within its
+//! grace.
+
+use std::time::Duration;
+
+use http::Method;
+
+use crate::support::process::GatewayProcess;
+use crate::support::*;
+
+/// Upstream timeout 2s, lease 3s, waits of 500ms: crash windows stay short.
+fn yaml(db: &str, upstream: &str, idem: &str, grace: &str) -> String {
+    config_yaml(
+        db,
+        upstream,
+        &format!("lease: 3s\n      wait_timeout: 500ms\n      {idem}"),
+    )
+    .replace("timeout: 5s", "timeout: 2s")
+    .replace("shutdown_grace: 5s", &format!("shutdown_grace: {grace}"))
+}
+
+/// Sends a keyed request in the background and waits until the upstream is working on it.
+async fn in_flight(
+    c: &TestClient,
+    url: String,
+    up: &Upstream,
+    key: &'static str,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let before = up.executions();
+    let c = c.clone();
+    let task = tokio::spawn(async move {
+        try_send(
+            &c,
+            Method::POST,
+            &url,
+            &[("idempotency-key", key), ("x-account-id", "a")],
+            "evt",
+        )
+        .await
+    });
+    wait_until(
+        "the upstream is working on it",
+        Duration::from_secs(10),
+        || async { up.executions() > before },
+    )
+    .await;
+    task
+}
+
+#[tokio::test]
+async fn a_gateway_killed_mid_request_forwards_again_after_the_lease_with_reforward() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1000),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "5s")).await;
+    let c = client();
+    let first = in_flight(&c, gw.url("/pay"), &up, "evt-1").await;
+    gw.kill();
+    assert!(
+        first.await.unwrap().is_err(),
+        "the killed gateway's client got no answer"
+    );
+    gw.restart().await;
+
+    // Before the lease ends: in flight, never a 2xx for work that was not stored.
+    let early = post_to(&c, &gw.url("/pay"), "a", "evt-1", "evt").await;
+    assert_eq!((early.status, early.problem().as_str()), (409, "in-flight"));
+
+    // After it: forwarded again, with the same key header, and completed.
+    let url = gw.url("/pay");
+    wait_until(
+        "the retry is forwarded and answered",
+        Duration::from_secs(15),
+        || async {
+            let r = post_to(&c, &url, "a", "evt-1", "evt").await;
+            assert!(r.status == 201 || r.status == 409, "unexpected {r:?}");
+            r.status == 201
+        },
+    )
+    .await;
+    assert_eq!(
+        up.executions(),
+        2,
+        "executed at least once: here twice, the counted double"
+    );
+    let seen = up.seen();
+    assert_eq!(
+        seen[0].headers["idempotency-key"],
+        seen[1].headers["idempotency-key"]
+    );
+    let replay = post_to(&c, &gw.url("/pay"), "a", "evt-1", "evt").await;
+    assert!(replay.replayed());
+    let rows = sql(&db)
+        .await
+        .query_one(
+            "SELECT state, attempts FROM idemgate_keys WHERE key = 'evt-1'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.get::<_, String>(0), "completed");
+    assert_eq!(rows.get::<_, i32>(1), 2, "the takeover is counted");
+}
+
+#[tokio::test]
+async fn a_gateway_killed_mid_request_holds_the_key_until_an_operator_deletes_it() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1000),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let mut gw =
+        GatewayProcess::start(&yaml(&db, &up.url(), "on_unknown_outcome: hold", "5s")).await;
+    let c = client();
+    let first = in_flight(&c, gw.url("/pay"), &up, "evt-2").await;
+    gw.kill();
+    assert!(first.await.unwrap().is_err());
+    gw.restart().await;
+
+    let url = gw.url("/pay");
+    wait_until(
+        "the lease ends and the key is held",
+        Duration::from_secs(15),
+        || async {
+            let r = post_to(&c, &url, "a", "evt-2", "evt").await;
+            assert!(r.status == 409 || r.status == 502, "unexpected {r:?}");
+            r.status == 502 && r.problem() == "outcome-unknown"
+        },
+    )
+    .await;
+    assert_eq!(
+        up.executions(),
+        1,
+        "a held key is never forwarded again by itself"
+    );
+
+    let config = gw.config.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+            .args(["keys", "delete", "--config"])
+            .arg(&config)
+            .args(["--scope", "a", "--key", "evt-2"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r = post_to(&c, &gw.url("/pay"), "a", "evt-2", "evt").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(up.executions(), 2);
+}
+
+#[tokio::test]
+async fn sigterm_drains_in_flight_requests_stores_them_and_exits() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1000),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "10s")).await;
+    let c = client();
+    let keys = ["t1", "t2", "t3", "t4", "t5"];
+    let mut tasks = Vec::new();
+    for key in keys {
+        let (c, url) = (c.clone(), gw.url("/pay"));
+        tasks.push(tokio::spawn(async move {
+            try_send(
+                &c,
+                Method::POST,
+                &url,
+                &[("idempotency-key", key), ("x-account-id", "a")],
+                "e",
+            )
+            .await
+        }));
+    }
+    wait_until(
+        "all five are at the upstream",
+        Duration::from_secs(10),
+        || async { up.executions() == 5 },
+    )
+    .await;
+    gw.terminate();
+    // The listener stops accepting while the five are still being answered.
+    let addr = gw.addr;
+    wait_until(
+        "new connections are refused",
+        Duration::from_secs(5),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    for t in tasks {
+        let r = t.await.unwrap().expect("in-flight requests are answered");
+        assert_eq!(r.status, 201);
+    }
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "clean exit:\n{}",
+        gw.log_text()
+    );
+    let completed: i64 = sql(&db)
+        .await
+        .query_one(
+            "SELECT count(*) FROM idemgate_keys WHERE state = 'completed'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(completed, 5, "every drained request was stored");
+}
+
+#[tokio::test]
+async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1800),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "300ms")).await;
+    let c = client();
+    let first = in_flight(&c, gw.url("/pay"), &up, "late").await;
+    gw.terminate();
+    assert!(gw.wait_exit(Duration::from_secs(10)).await);
+    assert_eq!(
+        up.answered(),
+        0,
+        "the process exited before the upstream answered"
+    );
+    let r = first.await.unwrap();
+    assert!(r.is_err(), "no answer, certainly no 2xx: {r:?}");
+    let state: String = sql(&db)
+        .await
+        .query_one("SELECT state FROM idemgate_keys WHERE key = 'late'", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "in_flight", "never marked done");
+}
