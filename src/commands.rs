@@ -47,6 +47,7 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     let store = open_store(&config)?;
     let applied = store.migrate().await?;
     tracing::info!(applied, "migrations checked");
+    store.start_listener();
     let listener = TcpListener::bind(config.listen).await?;
     let admin = match &config.admin {
         Some(a) => Some(TcpListener::bind(a.listen).await?),

@@ -34,12 +34,17 @@ use crate::key::{JsonBody, KeyScope, extract};
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
 use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
+use crate::wait;
 
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
 
-/// Longest pause between two polls of an in-flight key.
-const MAX_POLL: Duration = Duration::from_millis(250);
+/// A duplicate is still in flight: come back in a second.
+fn in_flight_error() -> GatewayError {
+    GatewayError::InFlight {
+        retry_after: Duration::from_secs(1),
+    }
+}
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {
@@ -219,58 +224,95 @@ impl Gateway {
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
 
-        let deadline = Instant::now() + idem.wait_timeout;
-        let mut pause = Duration::from_millis(10);
-        loop {
-            let found = match self.store.claim(claim).await {
-                Ok(found) => found,
-                Err(e) => {
-                    if idem.on_store_error == OnStoreError::PassThrough {
-                        tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
-                        let out = upstream.prepare(parts, full(body), client, None);
-                        let mut resp = proxy(upstream, out).await?;
-                        resp.headers_mut()
-                            .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
-                        return Ok(resp);
-                    }
-                    return Err(e.into());
-                }
-            };
-            match found {
-                Claim::Acquired { token, took_over } => {
-                    if took_over {
-                        tracing::warn!(route = %route.name, "took over an expired lease: the earlier attempt's outcome is unknown");
-                    }
-                    let job = ForwardJob {
-                        gateway: Arc::clone(self),
-                        route: route.name.clone(),
-                        scope: scope.clone(),
-                        key: key.clone(),
-                        token,
-                    };
-                    let request = upstream.prepare(
-                        parts,
-                        full(body),
-                        client,
-                        Some((&idem.forward_key_header, &key)),
-                    );
-                    return job.spawn(request).await;
-                }
-                Claim::Completed(stored) => return Ok(stored.to_replay()),
-                Claim::Mismatch => return Err(GatewayError::FingerprintMismatch),
-                Claim::Held => return Err(GatewayError::OutcomeUnknown),
-                Claim::NotReplayable { .. } => return Err(GatewayError::NotReplayable),
-                Claim::InFlight => {
-                    let now = Instant::now();
-                    if idem.in_flight == InFlight::Reject || now >= deadline {
-                        return Err(GatewayError::InFlight {
-                            retry_after: Duration::from_secs(1),
-                        });
-                    }
-                    tokio::time::sleep(pause.min(deadline - now)).await;
-                    pause = (pause * 2).min(MAX_POLL);
-                }
+        let first = match self.store.claim(claim).await {
+            Ok(found) => found,
+            Err(e) if idem.on_store_error == OnStoreError::PassThrough => {
+                tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
+                let out = upstream.prepare(parts, full(body), client, None);
+                let mut resp = proxy(upstream, out).await?;
+                resp.headers_mut()
+                    .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                return Ok(resp);
             }
+            Err(e) => return Err(e.into()),
+        };
+        let found = match first {
+            Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
+                return Err(in_flight_error());
+            }
+            Claim::InFlight { .. } => {
+                self.wait_in_flight(claim, Instant::now() + idem.wait_timeout)
+                    .await?
+            }
+            other => other,
+        };
+        match found {
+            Claim::Acquired { token, took_over } => {
+                if took_over {
+                    tracing::warn!(route = %route.name, "took over an expired lease: the earlier attempt's outcome is unknown");
+                }
+                let job = ForwardJob {
+                    gateway: Arc::clone(self),
+                    route: route.name.clone(),
+                    scope: scope.clone(),
+                    key: key.clone(),
+                    token,
+                };
+                let request = upstream.prepare(
+                    parts,
+                    full(body),
+                    client,
+                    Some((&idem.forward_key_header, &key)),
+                );
+                job.spawn(request).await
+            }
+            Claim::Completed(stored) => Ok(stored.to_replay()),
+            Claim::Mismatch => Err(GatewayError::FingerprintMismatch),
+            Claim::Held => Err(GatewayError::OutcomeUnknown),
+            Claim::NotReplayable { .. } => Err(GatewayError::NotReplayable),
+            Claim::InFlight { .. } => Err(in_flight_error()),
+        }
+    }
+
+    /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
+    /// key holds then (never `InFlight`). See `wait.rs` for how waiters are woken and how
+    /// their lookups are shared.
+    async fn wait_in_flight(
+        &self,
+        req: ClaimRequest<'_>,
+        deadline: Instant,
+    ) -> Result<Claim, GatewayError> {
+        let wakeups = self.store.wakeups();
+        let sub = wakeups.subscribe(req.scope, req.key);
+        let mut since = Instant::now();
+        let mut pause = wait::POLL_MIN;
+        loop {
+            let woken = sub.next_wakeup();
+            let lease_remaining = match sub.lookup(self.store.as_ref(), req, since).await? {
+                Claim::InFlight { lease_remaining } => lease_remaining,
+                other => return Ok(other),
+            };
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(in_flight_error());
+            }
+            let nap = if wakeups.healthy() {
+                wait::SAFETY_POLL
+            } else {
+                let p = pause;
+                pause = (pause * 2).min(wait::POLL_MAX);
+                p
+            };
+            // Look again when the holder's lease ends: it may have crashed.
+            let nap = nap
+                .min(lease_remaining + wait::POLL_MIN)
+                .max(wait::POLL_MIN)
+                .min(deadline - now);
+            tokio::select! {
+                () = woken => {}
+                () = tokio::time::sleep(nap) => {}
+            }
+            since = Instant::now();
         }
     }
 

@@ -7,6 +7,7 @@
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
+//! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
 //!   Postgres implementation with its SQL and migrations.
 //! - [`forward`]: upstream clients, header hygiene, timeouts.
@@ -28,3 +29,4 @@ pub mod problem;
 pub mod replay;
 pub mod server;
 pub mod store;
+pub mod wait;

@@ -9,14 +9,17 @@
 //! - A row is never `completed` without its whole response in the same statement.
 //! - Every call is bounded in time: it returns [`StoreError`] instead of hanging.
 
+pub mod pg_listener;
 pub mod postgres;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
 use crate::replay::StoredResponse;
+use crate::wait::Wakeups;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -61,8 +64,8 @@ pub enum Claim {
     Acquired { token: LeaseToken, took_over: bool },
     /// Completed with the same fingerprint: replay this.
     Completed(StoredResponse),
-    /// Another attempt with the same fingerprint holds a live lease.
-    InFlight,
+    /// Another attempt with the same fingerprint holds a live lease, for this much longer.
+    InFlight { lease_remaining: Duration },
     /// The key was used with a different request.
     Mismatch,
     /// The outcome of the first attempt is unknown and the route holds such keys (recorded
@@ -141,6 +144,9 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;
+
+    /// Where local waiters for in-flight keys are woken when a key is finished.
+    fn wakeups(&self) -> &Arc<Wakeups>;
 
     /// Whether the store answers and its schema is current.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>>;

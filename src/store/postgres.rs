@@ -16,6 +16,7 @@
 //!   statement timed out on the client side is detached from the pool, never reused.
 //! - Statements are prepared once per connection (`prepare_cached`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
@@ -28,6 +29,7 @@ use super::{
 use crate::config::PostgresConfig;
 use crate::fingerprint::hex;
 use crate::replay::StoredResponse;
+use crate::wait::{Wakeups, key_id};
 
 /// Migrations in order; each runs once, all in one transaction under an advisory lock.
 pub const MIGRATIONS: &[(i32, &str, &str)] =
@@ -62,25 +64,41 @@ WITH claimed AS (
 )
 SELECT 'claimed' AS state, c.lease_token::text AS token, c.attempts,
        NULL::bytea AS fingerprint, NULL::integer AS status,
-       NULL::bytea AS headers, NULL::bytea AS body, false AS lease_expired
+       NULL::bytea AS headers, NULL::bytea AS body, false AS lease_expired,
+       0::bigint AS lease_remaining_ms
   FROM claimed c
 UNION ALL
 SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
-       k.state = 'in_flight' AND k.lease_expires_at <= now()
+       k.state = 'in_flight' AND k.lease_expires_at <= now(),
+       greatest(0, ceil(extract(epoch FROM k.lease_expires_at - now()) * 1000))::bigint
   FROM idemgate_keys k
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
 
+/// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
+pub const CHANNEL: &str = "idemgate_keys";
+
+// Every write that ends an attempt announces it in the same statement (one round trip);
+// NOTIFY is transactional, so waiters hear of it only once it is committed. A statement that
+// matched no row (a lost lease) returns no row and announces nothing.
 const FINISH_SQL: &str = "
-UPDATE idemgate_keys
-   SET state = $4, status = $5, headers = $6, body = $7,
-       lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
-       expires_at = now() + $8::bigint * interval '1 millisecond'
- WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'";
+WITH done AS (
+    UPDATE idemgate_keys
+       SET state = $4, status = $5, headers = $6, body = $7,
+           lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+           expires_at = now() + $8::bigint * interval '1 millisecond'
+     WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
+    RETURNING 1
+)
+SELECT pg_notify('idemgate_keys', $9) FROM done";
 
 const RELEASE_SQL: &str = "
-DELETE FROM idemgate_keys
- WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'";
+WITH done AS (
+    DELETE FROM idemgate_keys
+     WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
+    RETURNING 1
+)
+SELECT pg_notify('idemgate_keys', $4) FROM done";
 
 const INSPECT_SQL: &str = "
 SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
@@ -101,7 +119,9 @@ DELETE FROM idemgate_keys
                          LIMIT $1
                            FOR UPDATE SKIP LOCKED)";
 
-const DELETE_SQL: &str = "DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2";
+const DELETE_SQL: &str = "
+WITH done AS (DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2 RETURNING 1)
+SELECT pg_notify('idemgate_keys', $3) FROM done";
 
 /// The columns [`FINISH_SQL`] writes for a final outcome.
 struct FinishRow<'a> {
@@ -138,8 +158,22 @@ impl<'a> FinishRow<'a> {
 
 pub struct PgStore {
     pool: Pool,
+    /// The connection config, for the wake-up listener's own connection.
+    pg: tokio_postgres::Config,
     acquire_timeout: Duration,
     statement_timeout: Duration,
+    wakeups: Arc<Wakeups>,
+    listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        if let Ok(mut l) = self.listener.lock()
+            && let Some(task) = l.take()
+        {
+            task.abort();
+        }
+    }
 }
 
 /// Client-side slack on top of the server's statement timeout.
@@ -174,7 +208,7 @@ impl PgStore {
             cfg.statement_timeout.as_millis()
         ));
         let mgr = Manager::from_config(
-            pg,
+            pg.clone(),
             NoTls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -190,9 +224,25 @@ impl PgStore {
             .map_err(|e| StoreError::Db(e.to_string()))?;
         Ok(PgStore {
             pool,
+            pg,
             acquire_timeout: cfg.acquire_timeout,
             statement_timeout: cfg.statement_timeout,
+            wakeups: Arc::default(),
+            listener: std::sync::Mutex::new(None),
         })
+    }
+
+    /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
+    /// waiters for in-flight keys poll. Idempotent; must run inside a Tokio runtime.
+    pub fn start_listener(&self) {
+        let mut slot = self.listener.lock().expect("listener lock");
+        if slot.is_none() {
+            *slot = Some(tokio::spawn(super::pg_listener::run(
+                self.pg.clone(),
+                self.pool.clone(),
+                Arc::clone(&self.wakeups),
+            )));
+        }
     }
 
     /// The pool, for the gc, metrics and tests.
@@ -315,7 +365,11 @@ impl PgStore {
         Ok(Some(match state {
             // Only a route that holds unknown outcomes leaves an expired lease in place.
             "in_flight" if lease_expired => Claim::Held,
-            "in_flight" => Claim::InFlight,
+            "in_flight" => Claim::InFlight {
+                lease_remaining: Duration::from_millis(
+                    u64::try_from(row.get::<_, i64>("lease_remaining_ms")).unwrap_or(0),
+                ),
+            },
             "unknown" => Claim::Held,
             "not_replayable" => Claim::NotReplayable { status: status()? },
             "completed" => {
@@ -362,12 +416,13 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let ttl_ms = ttl.as_millis() as i64;
-            let n = self
+            let id = key_id(scope, key);
+            let rows = self
                 .with_conn(async |c| {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
                         let stmt = c.prepare_cached(RELEASE_SQL).await?;
-                        return c.execute(&stmt, &[&scope, &key, &token]).await;
+                        return c.query(&stmt, &[&scope, &key, &token, &id]).await;
                     }
                     let FinishRow {
                         state,
@@ -376,16 +431,16 @@ impl Store for PgStore {
                         body,
                     } = FinishRow::of(&outcome);
                     let stmt = c.prepare_cached(FINISH_SQL).await?;
-                    c.execute(
+                    c.query(
                         &stmt,
                         &[
-                            &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms,
+                            &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
                         ],
                     )
                     .await
                 })
                 .await?;
-            Ok(n == 1)
+            Ok(rows.len() == 1)
         })
     }
 
@@ -429,10 +484,10 @@ impl Store for PgStore {
             let n = self
                 .with_conn(async |c| {
                     let stmt = c.prepare_cached(DELETE_SQL).await?;
-                    c.execute(&stmt, &[&scope, &key]).await
+                    c.query(&stmt, &[&scope, &key, &key_id(scope, key)]).await
                 })
                 .await?;
-            Ok(n == 1)
+            Ok(n.len() == 1)
         })
     }
 
@@ -479,6 +534,10 @@ impl Store for PgStore {
                 }
             }
         })
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.wakeups
     }
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {

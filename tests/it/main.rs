@@ -5,6 +5,7 @@ mod config_files;
 mod crash_and_shutdown;
 mod flow;
 mod hostile_clients;
+mod instances;
 mod operator_tools;
 mod status_table;
 mod store_outage;

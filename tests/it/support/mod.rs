@@ -60,11 +60,19 @@ pub struct TestGateway {
 impl TestGateway {
     /// Starts a gateway from YAML; migrations are applied first, as `serve` does.
     pub async fn start(yaml: &str, db: &str) -> TestGateway {
+        TestGateway::start_with(yaml, db, true).await
+    }
+
+    /// Starts a gateway; without the listener, waiters only poll.
+    pub async fn start_with(yaml: &str, db: &str, listener: bool) -> TestGateway {
         init_logs();
         let config = Arc::new(Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}")));
         let idemgate::config::StoreConfig::Postgres(pg) = &config.store;
         let store = Arc::new(PgStore::new(pg).expect("store"));
         store.migrate().await.expect("migrations");
+        if listener {
+            store.start_listener();
+        }
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind gateway");

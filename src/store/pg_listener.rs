@@ -1,0 +1,134 @@
+//! The Postgres wake-up listener: one dedicated connection per process that `LISTEN`s on
+//! [`CHANNEL`](super::postgres::CHANNEL) and wakes local waiters of the announced key.
+//!
+//! It proves itself before it is trusted: after `LISTEN` it sends a probe notification
+//! through the pool (the path every real announcement takes) and marks wake-ups healthy only
+//! when the probe comes back; it re-probes every [`REPROBE`]. Behind a pooler in transaction
+//! mode, notifications never arrive, the probe fails, and waiters keep polling. When the
+//! connection drops, wake-ups are marked unhealthy at once (waiters fall back to bounded
+//! polling) and it reconnects with backoff; on recovery every waiter is woken to look again,
+//! since announcements may have been missed meanwhile.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tokio::sync::mpsc;
+use tokio_postgres::{AsyncMessage, NoTls};
+
+use super::postgres::CHANNEL;
+use crate::wait::Wakeups;
+
+/// How often a live listener proves again that notifications arrive.
+pub const REPROBE: Duration = Duration::from_secs(30);
+/// How long a probe may take to come back.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const PROBE_PREFIX: &str = "probe:";
+/// How the listener's session shows in `pg_stat_activity`.
+pub const APPLICATION_NAME: &str = "idemgate-listener";
+
+static PROBES: AtomicU64 = AtomicU64::new(0);
+
+/// Runs forever (until aborted): listen, probe, dispatch, reconnect.
+pub async fn run(mut pg: tokio_postgres::Config, pool: Pool, wakeups: Arc<Wakeups>) {
+    pg.application_name(APPLICATION_NAME);
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        let (client, mut conn) = match pg.connect(NoTls).await {
+            Ok(pair) => pair,
+            Err(e) => {
+                wakeups.set_healthy(false);
+                tracing::debug!(error = %e, "wake-up listener cannot connect; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+        };
+        let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<String>();
+        let wk = Arc::clone(&wakeups);
+        let mut driver = tokio::spawn(async move {
+            while let Some(msg) = std::future::poll_fn(|cx| conn.poll_message(cx)).await {
+                match msg {
+                    Ok(AsyncMessage::Notification(n)) => {
+                        match n.payload().strip_prefix(PROBE_PREFIX) {
+                            Some(nonce) => {
+                                let _ = probe_tx.send(nonce.to_string());
+                            }
+                            None => wk.wake(n.payload()),
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(error = %e, "wake-up listener connection failed");
+                        break;
+                    }
+                }
+            }
+        });
+        if let Err(e) = client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
+            tracing::warn!(error = %e, "LISTEN failed");
+            driver.abort();
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+            continue;
+        }
+        backoff = BACKOFF_MIN;
+        wakeups
+            .stats
+            .listener_sessions
+            .fetch_add(1, Ordering::Relaxed);
+        loop {
+            let ok = probe(&pool, &mut probe_rx).await;
+            if !ok && wakeups.healthy() {
+                tracing::warn!("a probe notification did not come back; waiters poll");
+            }
+            wakeups.set_healthy(ok);
+            tokio::select! {
+                () = tokio::time::sleep(REPROBE) => {}
+                _ = &mut driver => break,
+            }
+        }
+        wakeups.set_healthy(false);
+        drop(client);
+    }
+}
+
+/// Sends a probe through the pool and waits for it on the listener.
+async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> bool {
+    let nonce = format!(
+        "{}-{}",
+        std::process::id(),
+        PROBES.fetch_add(1, Ordering::Relaxed)
+    );
+    let send = async {
+        let conn = pool.get().await.ok()?;
+        conn.execute(
+            "SELECT pg_notify($1, $2)",
+            &[&CHANNEL, &format!("{PROBE_PREFIX}{nonce}")],
+        )
+        .await
+        .ok()
+    };
+    if tokio::time::timeout(PROBE_TIMEOUT, send)
+        .await
+        .ok()
+        .flatten()
+        .is_none()
+    {
+        return false;
+    }
+    let wait = async {
+        while let Some(got) = rx.recv().await {
+            if got == nonce {
+                return true;
+            }
+        }
+        false
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, wait)
+        .await
+        .unwrap_or(false)
+}

@@ -1,0 +1,187 @@
+//! Several gateway instances on one database behave as one gateway: wake-ups cross
+//! instances through LISTEN/NOTIFY, local waiters share lookups, and polling takes over when
+//! notifications stop.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use http::Method;
+use idemgate::store::Store;
+
+use crate::support::process::GatewayProcess;
+use crate::support::*;
+
+/// Fires `n` identical keyed requests at once, round-robin over `urls`.
+async fn storm(urls: &[String], n: usize, key: &str) -> Vec<Reply> {
+    let c = client();
+    let tasks: Vec<_> = (0..n)
+        .map(|i| {
+            let (c, url, key) = (c.clone(), urls[i % urls.len()].clone(), key.to_string());
+            tokio::spawn(async move {
+                send(
+                    &c,
+                    Method::POST,
+                    &url,
+                    &[("idempotency-key", &key), ("x-account-id", "a")],
+                    "evt",
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+fn assert_one_answer(replies: &[Reply]) {
+    for r in replies {
+        assert_eq!(r.status, 201, "{r:?}");
+        assert_eq!(
+            r.body, replies[0].body,
+            "every duplicate gets the same body"
+        );
+    }
+    assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
+}
+
+async fn healthy(gw: &TestGateway) {
+    wait_until("wake-ups are flowing", Duration::from_secs(10), || async {
+        gw.store.wakeups().healthy()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(600),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "");
+    let a = TestGateway::start(&yaml, &db).await;
+    let b = TestGateway::start(&yaml, &db).await;
+    healthy(&a).await;
+    healthy(&b).await;
+    let c = client();
+    let (c2, url) = (c.clone(), a.url("/pay"));
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "evt",
+        )
+        .await
+    });
+    wait_until("instance A forwards", Duration::from_secs(10), || async {
+        up.executions() == 1
+    })
+    .await;
+    // 29 duplicates wait on instance B.
+    let replies = storm(&[b.url("/pay")], 29, "k").await;
+    let mut all = vec![first.await.unwrap()];
+    all.extend(replies);
+    assert_one_answer(&all);
+    assert_eq!(up.executions(), 1);
+    let stats = &b.store.wakeups().stats;
+    assert!(
+        stats.woken.load(Ordering::Relaxed) >= 1,
+        "B was woken by A's NOTIFY"
+    );
+    let lookups = stats.lookups.load(Ordering::Relaxed);
+    assert!(
+        lookups < 29,
+        "29 local waiters shared their lookups ({lookups} statements, {} shared)",
+        stats.shared.load(Ordering::Relaxed)
+    );
+}
+
+#[tokio::test]
+async fn a_dead_listener_reconnects_by_itself() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    healthy(&gw).await;
+    let stats = &gw.store.wakeups().stats;
+    assert_eq!(stats.listener_sessions.load(Ordering::Relaxed), 1);
+    let killed = gw
+        .sql()
+        .await
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = 'idemgate-listener' AND datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        killed.len(),
+        1,
+        "exactly one listener connection per instance"
+    );
+    wait_until(
+        "the listener reconnects",
+        Duration::from_secs(10),
+        || async { stats.listener_sessions.load(Ordering::Relaxed) == 2 },
+    )
+    .await;
+    healthy(&gw).await;
+}
+
+#[tokio::test]
+async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(400),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start_with(&config_yaml(&db, &up.url(), ""), &db, false).await;
+    assert!(!gw.store.wakeups().healthy());
+    assert_one_answer(&storm(&[gw.url("/pay")], 20, "polled").await);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(gw.store.wakeups().stats.woken.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn thirty_duplicates_across_two_gateway_processes_execute_once() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "");
+    let a = GatewayProcess::start(&yaml).await;
+    let b = GatewayProcess::start(&yaml).await;
+    let urls = [a.url("/pay"), b.url("/pay")];
+    assert_one_answer(&storm(&urls, 30, "webhook-1").await);
+    assert_eq!(up.executions(), 1, "one execution across both instances");
+    // A lease taken on one instance is respected by the other, with `reject` too.
+    let db2 = pg::fresh_database().await;
+    let yaml = config_yaml(&db2, &up.url(), "in_flight: reject");
+    let a = GatewayProcess::start(&yaml).await;
+    let b = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let (c2, url) = (c.clone(), a.url("/pay"));
+    let first = tokio::spawn(async move { post_to(&c2, &url, "a", "k2", "evt").await });
+    wait_until("instance A forwards", Duration::from_secs(10), || async {
+        up.executions() == 2
+    })
+    .await;
+    let dup = post_to(&c, &b.url("/pay"), "a", "k2", "evt").await;
+    assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(
+        post_to(&c, &b.url("/pay"), "a", "k2", "evt")
+            .await
+            .replayed()
+    );
+    assert_eq!(up.executions(), 2);
+}
