@@ -2,7 +2,6 @@
 //! instances through LISTEN/NOTIFY, local waiters share lookups, and polling takes over when
 //! notifications stop.
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
