@@ -245,6 +245,16 @@ pub enum StoreConfig {
     Postgres(PostgresConfig),
 }
 
+impl StoreConfig {
+    /// The longest one store call may take: a pool acquire plus one statement. A lease must
+    /// cover the upstream's timeout plus this, so an answer can be recorded before it ends.
+    pub fn record_bound(&self) -> Duration {
+        match self {
+            StoreConfig::Postgres(pg) => pg.acquire_timeout + pg.statement_timeout,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct PostgresConfig {
     pub url: String,
@@ -873,6 +883,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 &format!("{base}.idempotency"),
                 idem,
                 upstream,
+                store.record_bound(),
             )?),
         };
         routes.push(Route {
@@ -899,6 +910,7 @@ fn validate_idempotency(
     base: &str,
     raw: RawIdempotency,
     upstream: &UpstreamConfig,
+    record_bound: Duration,
 ) -> Result<Idempotency, ConfigError> {
     if raw.serialize.is_some() {
         return Err(not_supported(&format!("{base}.serialize")));
@@ -986,6 +998,18 @@ fn validate_idempotency(
                 "must be longer than upstream '{}' timeout ({})",
                 upstream.name,
                 fmt_duration(upstream.timeout)
+            ),
+        ));
+    }
+    if lease <= upstream.timeout + record_bound {
+        return Err(invalid(
+            format!("{base}.lease"),
+            format!(
+                "must be longer than upstream '{}' timeout ({}) plus the time to record the answer \
+                 (the store's acquire_timeout + statement_timeout = {})",
+                upstream.name,
+                fmt_duration(upstream.timeout),
+                fmt_duration(record_bound)
             ),
         ));
     }

@@ -4,7 +4,10 @@
 //! same byte stream: method, route name, path and query, each configured header (its values
 //! in order, or an "absent" marker), and the body. The body is hashed raw, or, with
 //! `json_canonical`, as canonical JSON: object keys sorted by their UTF-8 bytes, no
-//! insignificant white space, with the `json_ignore` pointers removed first.
+//! insignificant white space, with the `json_ignore` pointers removed first. Numbers keep
+//! their text (serde_json's `arbitrary_precision`), so `0.30000000000000001` and `0.3` differ.
+//! A JSON object with a duplicated member name counts as the last value given, as most
+//! parsers read it.
 
 use http::{HeaderMap, Method};
 use serde_json::Value;
@@ -165,6 +168,22 @@ mod tests {
             fp(&canon, r#"{"b":2, "a":1}"#)
         );
         assert_ne!(fp(&canon, r#"{"a":1}"#), fp(&canon, r#"{"a":2}"#));
+    }
+
+    #[test]
+    fn numbers_keep_their_precision() {
+        let canon = FingerprintConfig {
+            json_canonical: true,
+            ..Default::default()
+        };
+        assert_ne!(
+            fp(&canon, r#"{"amount":0.30000000000000001}"#),
+            fp(&canon, r#"{"amount":0.3}"#)
+        );
+        assert_ne!(
+            fp(&canon, r#"{"n":123456789012345678901234567890}"#),
+            fp(&canon, r#"{"n":123456789012345678901234567891}"#)
+        );
     }
 
     #[test]

@@ -167,11 +167,15 @@ impl UpstreamClient {
         let headers = &mut parts.headers;
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
+        // Several X-Forwarded-For lines are one list (RFC 9110 section 5.3): keep them all.
+        let mut xff: Vec<&str> = headers
+            .get_all("x-forwarded-for")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
         let ip = client.addr.ip().to_string();
-        let xff = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
-            Some(prev) => format!("{prev}, {ip}"),
-            None => ip,
-        };
+        xff.push(&ip);
+        let xff = xff.join(", ");
         if let Ok(v) = HeaderValue::from_str(&xff) {
             headers.insert("x-forwarded-for", v);
         }

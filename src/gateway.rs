@@ -224,9 +224,10 @@ impl Gateway {
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
 
+        let mut claimed_at = Instant::now();
         let first = match self.store.claim(claim).await {
             Ok(found) => found,
-            Err(e) if idem.on_store_error == OnStoreError::PassThrough => {
+            Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), client, None);
                 let mut resp = proxy(upstream, out).await?;
@@ -241,8 +242,11 @@ impl Gateway {
                 return Err(in_flight_error());
             }
             Claim::InFlight { .. } => {
-                self.wait_in_flight(claim, Instant::now() + idem.wait_timeout)
-                    .await?
+                let (found, at) = self
+                    .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
+                    .await?;
+                claimed_at = at;
+                found
             }
             other => other,
         };
@@ -257,6 +261,9 @@ impl Gateway {
                     scope: scope.clone(),
                     key: key.clone(),
                     token,
+                    // Our clock started before the statement that set the lease in database
+                    // time, so this is never later than the real end of the lease.
+                    lease_ends: claimed_at + idem.lease,
                 };
                 let request = upstream.prepare(
                     parts,
@@ -275,22 +282,27 @@ impl Gateway {
     }
 
     /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
-    /// key holds then (never `InFlight`). See `wait.rs` for how waiters are woken and how
-    /// their lookups are shared.
+    /// key holds then (never `InFlight`) and when the look that found it started. See
+    /// `wait.rs` for how waiters are woken and how their lookups are shared.
     async fn wait_in_flight(
         &self,
         req: ClaimRequest<'_>,
         deadline: Instant,
-    ) -> Result<Claim, GatewayError> {
+    ) -> Result<(Claim, Instant), GatewayError> {
         let wakeups = self.store.wakeups();
         let sub = wakeups.subscribe(req.scope, req.key);
         let mut since = Instant::now();
         let mut pause = wait::POLL_MIN;
         loop {
             let woken = sub.next_wakeup();
-            let lease_remaining = match sub.lookup(self.store.as_ref(), req, since).await? {
-                Claim::InFlight { lease_remaining } => lease_remaining,
-                other => return Ok(other),
+            let looked_at = Instant::now();
+            let found = sub
+                .lookup(self.store.as_ref(), req, since, deadline)
+                .await?;
+            let lease_remaining = match found {
+                None => return Err(in_flight_error()),
+                Some(Claim::InFlight { lease_remaining }) => lease_remaining,
+                Some(other) => return Ok((other, looked_at)),
             };
             let now = Instant::now();
             if now >= deadline {
@@ -371,6 +383,8 @@ struct ForwardJob {
     scope: String,
     key: String,
     token: LeaseToken,
+    /// Local time by which the lease has surely ended; no write is attempted after it.
+    lease_ends: Instant,
 }
 
 /// How many times a completion is attempted before the client is told it failed.
@@ -443,6 +457,7 @@ impl ForwardJob {
                 Ok(Response::from_parts(parts, stream(body)))
             }
             Ok((mut parts, Captured::Whole(bytes))) => {
+                clean_response_headers(&mut parts.headers);
                 let stored = StoredResponse::capture(
                     parts.status,
                     &parts.headers,
@@ -451,7 +466,6 @@ impl ForwardJob {
                 );
                 self.record(Outcome::Completed(stored), idem.ttl).await?;
                 tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
-                clean_response_headers(&mut parts.headers);
                 Ok(Response::from_parts(parts, full(bytes)))
             }
             Ok((mut parts, Captured::TooLarge { head, rest })) => {
@@ -472,10 +486,16 @@ impl ForwardJob {
         }
     }
 
-    /// Records a final outcome, retried a little; the answer depends on it (guarantee 3).
+    /// Records a final outcome, retried a little while the lease lasts; the answer depends on
+    /// it (guarantee 3). A retry that could end after the lease is not started: past it,
+    /// another attempt may own the key.
     async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<(), GatewayError> {
         let mut last = None;
+        let bound = self.gateway.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
+            if attempt > 0 && Instant::now() + bound >= self.lease_ends {
+                break;
+            }
             match self.finish(outcome.clone(), ttl).await {
                 Ok(()) => return Ok(()),
                 Err(e) => {

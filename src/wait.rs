@@ -64,7 +64,9 @@ pub struct WaitStats {
 /// The per-process registry of keys that local requests wait for.
 #[derive(Default)]
 pub struct Wakeups {
-    keys: Mutex<HashMap<String, Arc<KeyWait>>>,
+    /// Waited-for keys and how many subscriptions each has (counted under this lock, so the
+    /// last one out always removes the entry).
+    keys: Mutex<HashMap<String, (usize, Arc<KeyWait>)>>,
     healthy: AtomicBool,
     pub stats: WaitStats,
 }
@@ -89,12 +91,17 @@ impl Wakeups {
         let id = key_id(scope, key);
         let wait = {
             let mut keys = self.keys.lock().expect("wakeups lock");
-            Arc::clone(keys.entry(id.clone()).or_insert_with(|| {
-                Arc::new(KeyWait {
-                    notify: Notify::new(),
-                    last: tokio::sync::Mutex::new(HashMap::new()),
-                })
-            }))
+            let entry = keys.entry(id.clone()).or_insert_with(|| {
+                (
+                    0,
+                    Arc::new(KeyWait {
+                        notify: Notify::new(),
+                        last: tokio::sync::Mutex::new(HashMap::new()),
+                    }),
+                )
+            });
+            entry.0 += 1;
+            Arc::clone(&entry.1)
         };
         Subscription {
             wakeups: self,
@@ -105,7 +112,12 @@ impl Wakeups {
 
     /// Wakes every local waiter of the key with this id (a NOTIFY payload).
     pub fn wake(&self, id: &str) {
-        let wait = self.keys.lock().expect("wakeups lock").get(id).cloned();
+        let wait = self
+            .keys
+            .lock()
+            .expect("wakeups lock")
+            .get(id)
+            .map(|(_, w)| Arc::clone(w));
         if let Some(wait) = wait {
             self.stats.woken.fetch_add(1, Ordering::Relaxed);
             wait.notify.notify_waiters();
@@ -120,7 +132,7 @@ impl Wakeups {
             .lock()
             .expect("wakeups lock")
             .values()
-            .cloned()
+            .map(|(_, w)| Arc::clone(w))
             .collect();
         for wait in all {
             wait.notify.notify_waiters();
@@ -154,9 +166,11 @@ impl Wakeups {
 impl Drop for Subscription<'_> {
     fn drop(&mut self) {
         let mut keys = self.wakeups.keys.lock().expect("wakeups lock");
-        // Two references: the map's and ours. New subscribers clone under this same lock.
-        if Arc::strong_count(&self.wait) == 2 {
-            keys.remove(&self.id);
+        if let Some(entry) = keys.get_mut(&self.id) {
+            entry.0 -= 1;
+            if entry.0 == 0 {
+                keys.remove(&self.id);
+            }
         }
     }
 }
@@ -172,30 +186,36 @@ impl Subscription<'_> {
 
     /// Looks the key up again, sharing one statement among local waiters with the same
     /// fingerprint: an answer whose statement started at or after `since` is reused.
+    /// `Ok(None)`: `deadline` passed while queued behind other waiters' statements (a
+    /// statement already started is never abandoned: it may have claimed the key).
     pub async fn lookup(
         &self,
         store: &dyn Store,
         req: ClaimRequest<'_>,
         since: Instant,
-    ) -> Result<Claim, StoreError> {
-        let mut last = self.wait.last.lock().await;
+        deadline: Instant,
+    ) -> Result<Option<Claim>, StoreError> {
+        let Ok(mut last) = tokio::time::timeout_at(deadline, self.wait.last.lock()).await else {
+            return Ok(None);
+        };
         if let Some((started, claim)) = last.get(req.fingerprint)
             && *started >= since
         {
             self.wakeups.stats.shared.fetch_add(1, Ordering::Relaxed);
-            return Ok(match claim {
+            return Ok(Some(match claim {
                 // Someone else's statement claimed the key: a local request owns it now.
                 Claim::Acquired { .. } => Claim::InFlight {
                     lease_remaining: Duration::ZERO,
                 },
                 other => other.clone(),
-            });
+            }));
         }
         let started = Instant::now();
         self.wakeups.stats.lookups.fetch_add(1, Ordering::Relaxed);
         let claim = store.claim(req).await?;
+        // Kept (a stored body is a cheap `Bytes` clone) until the last waiter leaves.
         last.insert(*req.fingerprint, (started, claim.clone()));
-        Ok(claim)
+        Ok(Some(claim))
     }
 }
 

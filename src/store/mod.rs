@@ -38,6 +38,18 @@ pub enum StoreError {
     Corrupt(&'static str),
 }
 
+impl StoreError {
+    /// The store could not be reached in time (acquire timeout, connect error, statement
+    /// timeout): the only errors `on_store_error: pass_through` forwards past. A corrupt row
+    /// or a database error about a row that exists must never cause a second forward.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::AcquireTimeout | StoreError::Timeout | StoreError::Connect(_) => true,
+            StoreError::Db(_) | StoreError::Corrupt(_) => false,
+        }
+    }
+}
+
 /// A random token that fences every write after a claim.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LeaseToken(pub String);

@@ -3,8 +3,13 @@
 //! Invariants:
 //! - The claim is one statement (`INSERT ... ON CONFLICT DO UPDATE ... WHERE <claimable>`
 //!   in a CTE, plus a read of the existing row when nothing was claimed). Under READ COMMITTED
-//!   the read can miss a row committed after the statement's snapshot; the statement then
-//!   returns nothing and is simply run again (a new snapshot sees the row).
+//!   the read uses the statement's snapshot, while the INSERT waits for and sees rows
+//!   committed after it: the read can then find no row, or an older version that would itself
+//!   have been claimable (`stale`). Either way the statement is simply run again (a new
+//!   snapshot sees the newer row); an older version that was not claimable is safe to act on
+//!   (it says "in flight", and waiting looks again).
+//! - An expired lease is taken over only by the same request (same fingerprint); a
+//!   different request under that key is a mismatch, as for a live one.
 //! - An in-flight row whose lease expired is taken over, unless the route holds unknown
 //!   outcomes: then it stays as it is and is reported as held (its attempt may still finish
 //!   and record its answer; an operator may delete it).
@@ -59,18 +64,24 @@ WITH claimed AS (
         completed_at = NULL,
         expires_at = EXCLUDED.expires_at
     WHERE k.expires_at <= now()
-       OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now())
+       OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now()
+           AND k.fingerprint = EXCLUDED.fingerprint)
     RETURNING k.lease_token, k.attempts
 )
 SELECT 'claimed' AS state, c.lease_token::text AS token, c.attempts,
        NULL::bytea AS fingerprint, NULL::integer AS status,
        NULL::bytea AS headers, NULL::bytea AS body, false AS lease_expired,
-       0::bigint AS lease_remaining_ms
+       0::bigint AS lease_remaining_ms, false AS stale
   FROM claimed c
 UNION ALL
 SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
        k.state = 'in_flight' AND k.lease_expires_at <= now(),
-       greatest(0, ceil(extract(epoch FROM k.lease_expires_at - now()) * 1000))::bigint
+       greatest(0, ceil(extract(epoch FROM k.lease_expires_at - now()) * 1000))::bigint,
+       -- The version our snapshot sees would have been claimable: a concurrent claim
+       -- committed a newer one that the INSERT saw and this SELECT cannot. Look again.
+       k.expires_at <= now()
+         OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now()
+             AND k.fingerprint = $4)
   FROM idemgate_keys k
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
@@ -344,6 +355,9 @@ impl PgStore {
             })
             .await?;
         let Some(row) = row else { return Ok(None) };
+        if row.get::<_, bool>("stale") {
+            return Ok(None);
+        }
         let state: &str = row.get("state");
         if state == "claimed" {
             let attempts: i32 = row.get("attempts");
@@ -359,7 +373,8 @@ impl PgStore {
         let status = || -> Result<u16, StoreError> {
             let s: Option<i32> = row.get("status");
             s.and_then(|s| u16::try_from(s).ok())
-                .ok_or(StoreError::Corrupt("missing status"))
+                .filter(|s| http::StatusCode::from_u16(*s).is_ok())
+                .ok_or(StoreError::Corrupt("missing or invalid status"))
         };
         let lease_expired: bool = row.get("lease_expired");
         Ok(Some(match state {
@@ -395,14 +410,14 @@ impl Store for PgStore {
     fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
             // A row committed after our snapshot but before our insert's conflict check makes
-            // the statement return nothing: run it again. Three empty answers in a row would
-            // need three such races; treat that as the store misbehaving.
-            for _ in 0..3 {
+            // the statement return nothing (or a stale version): run it again. Five such
+            // answers in a row would need five such races; treat that as the store misbehaving.
+            for _ in 0..5 {
                 if let Some(claim) = self.claim_once(&req).await? {
                     return Ok(claim);
                 }
             }
-            Err(StoreError::Db("claim returned no row three times".into()))
+            Err(StoreError::Db("claim saw no current row five times".into()))
         })
     }
 

@@ -9,14 +9,15 @@ use http::Method;
 use crate::support::process::GatewayProcess;
 use crate::support::*;
 
-/// Upstream timeout 2s, lease 3s, waits of 500ms: crash windows stay short.
+/// Upstream timeout 1500ms, lease 3500ms (> timeout + the store's 1.5s record bound), waits
+/// of 500ms: crash windows stay short.
 fn yaml(db: &str, upstream: &str, idem: &str, grace: &str) -> String {
     config_yaml(
         db,
         upstream,
-        &format!("lease: 3s\n      wait_timeout: 500ms\n      {idem}"),
+        &format!("lease: 3500ms\n      wait_timeout: 500ms\n      {idem}"),
     )
-    .replace("timeout: 5s", "timeout: 2s")
+    .replace("timeout: 5s", "timeout: 1500ms")
     .replace("shutdown_grace: 5s", &format!("shutdown_grace: {grace}"))
 }
 
@@ -224,7 +225,7 @@ async fn sigterm_drains_in_flight_requests_stores_them_and_exits() {
 #[tokio::test]
 async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
     let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1800),
+        delay: Duration::from_millis(1400),
         ..Default::default()
     })
     .await;

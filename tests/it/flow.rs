@@ -243,7 +243,7 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     // A short lease; the upstream timeout must stay below it.
-    let yaml = config_yaml(&db, &up.url(), "lease: 1500ms\n      in_flight: reject")
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s\n      in_flight: reject")
         .replace("timeout: 5s", "timeout: 1s");
     let gw = TestGateway::start(&yaml, &db).await;
     // A crashed gateway: it claimed the key (with the fingerprint the gateway computes for
@@ -270,7 +270,7 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again() {
             key: "crashed",
             route: "payments",
             fingerprint: &fp,
-            lease: Duration::from_millis(1500),
+            lease: Duration::from_secs(3),
             ttl: Duration::from_secs(60),
             hold_expired_leases: false,
         })
@@ -370,6 +370,7 @@ async fn forwarded_requests_are_clean_and_carry_the_key() {
             ("connection", "x-secret"),
             ("x-secret", "hop"),
             ("x-forwarded-for", "10.0.0.1"),
+            ("x-forwarded-for", "10.0.0.2"),
             ("host", "public.example"),
             ("proxy-authorization", "Basic eA=="),
         ],
@@ -388,7 +389,10 @@ async fn forwarded_requests_are_clean_and_carry_the_key() {
         "headers named in Connection are stripped"
     );
     assert!(!seen.headers.contains_key("proxy-authorization"));
-    assert_eq!(seen.headers["x-forwarded-for"], "10.0.0.1, 127.0.0.1");
+    assert_eq!(
+        seen.headers["x-forwarded-for"], "10.0.0.1, 10.0.0.2, 127.0.0.1",
+        "every earlier hop is kept"
+    );
     assert_eq!(seen.headers["x-forwarded-proto"], "http");
     assert_eq!(seen.headers["x-forwarded-host"], "public.example");
     assert_eq!(seen.headers["host"], up.addr.to_string());
@@ -532,4 +536,113 @@ async fn shutdown_lets_an_in_flight_keyed_request_finish_and_store_its_answer() 
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "the listener is closed after shutdown"
     );
+}
+
+/// A crashed attempt: claim (scope "a", `key`) with the fingerprint the gateway computes for
+/// a POST to /pay with `body`, and never finish.
+async fn crashed_claim(gw: &TestGateway, key: &str, body: &str, lease: Duration) {
+    let fp = idemgate::fingerprint::fingerprint(
+        &Default::default(),
+        &Method::POST,
+        "payments",
+        "/pay",
+        &http::HeaderMap::new(),
+        body.as_bytes(),
+        None,
+    )
+    .unwrap();
+    let claimed = gw
+        .store
+        .claim(ClaimRequest {
+            scope: "a",
+            key,
+            route: "payments",
+            fingerprint: &fp,
+            lease,
+            ttl: Duration::from_secs(60),
+            hold_expired_leases: false,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(claimed, idemgate::store::Claim::Acquired { .. }));
+}
+
+async fn lease_expired(gw: &TestGateway, key: &str) {
+    let db = gw.sql().await;
+    wait_until(
+        "the lease expires in database time",
+        Duration::from_secs(10),
+        || async {
+            db.query_one(
+            "SELECT lease_expires_at <= now() FROM idemgate_keys WHERE scope = 'a' AND key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap()
+        .get::<_, bool>(0)
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn thirty_retries_racing_for_an_expired_lease_take_it_over_once() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s").replace("timeout: 5s", "timeout: 1s");
+    let gw = TestGateway::start(&yaml, &db).await;
+    crashed_claim(&gw, "race", "x", Duration::from_millis(200)).await;
+    lease_expired(&gw, "race").await;
+    let c = client();
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let (c, url) = (c.clone(), gw.url("/pay"));
+            tokio::spawn(async move {
+                send(
+                    &c,
+                    Method::POST,
+                    &url,
+                    &[("idempotency-key", "race"), ("x-account-id", "a")],
+                    "x",
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.unwrap());
+    }
+    for r in &replies {
+        assert_eq!(
+            r.status, 201,
+            "no stale 502 or 422 from a racing takeover: {r:?}"
+        );
+        assert_eq!(r.body, replies[0].body);
+    }
+    assert_eq!(up.executions(), 1, "one takeover");
+}
+
+#[tokio::test]
+async fn another_request_under_a_key_whose_lease_expired_is_a_mismatch_not_a_takeover() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s").replace("timeout: 5s", "timeout: 1s");
+    let gw = TestGateway::start(&yaml, &db).await;
+    crashed_claim(&gw, "k", "original", Duration::from_millis(200)).await;
+    lease_expired(&gw, "k").await;
+    let c = client();
+    let other = post(&c, &gw, "a", "k", "a different body").await;
+    assert_eq!(
+        (other.status, other.problem().as_str()),
+        (422, "fingerprint-mismatch")
+    );
+    assert_eq!(up.executions(), 0);
+    // The original request's retry takes it over.
+    assert_eq!(post(&c, &gw, "a", "k", "original").await.status, 201);
+    assert_eq!(up.executions(), 1);
 }

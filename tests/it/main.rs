@@ -8,6 +8,7 @@ mod hostile_clients;
 mod instances;
 mod operator_tools;
 mod status_table;
+mod store_claim;
 mod store_outage;
 mod support;
 mod upstream_faults;
