@@ -33,6 +33,7 @@ use crate::forward::{
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
+use crate::serialize::Serializer;
 use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
 use crate::wait;
 
@@ -52,6 +53,7 @@ pub struct Gateway {
     store: Arc<dyn Store>,
     upstreams: Upstreams,
     jobs: Arc<Jobs>,
+    serializer: Serializer,
 }
 
 /// Counts forward jobs still running (including those whose client left), so that shutdown
@@ -106,6 +108,7 @@ impl Gateway {
             store,
             upstreams,
             jobs: Arc::default(),
+            serializer: Serializer::default(),
         }
     }
 
@@ -408,7 +411,45 @@ impl ForwardJob {
         })
     }
 
+    /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
     async fn run(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
+        let (_, idem, _) = self
+            .gateway
+            .route_config(&self.route)
+            .expect("the route of a claimed request exists");
+        let store = self.gateway.store.as_ref();
+        let held = match idem.serialize {
+            None => None,
+            Some(ser) => {
+                let got = self
+                    .gateway
+                    .serializer
+                    .acquire(store, &self.scope, ser, idem.lease)
+                    .await;
+                match got {
+                    Ok(Some(held)) => Some(held),
+                    Ok(None) | Err(_) => {
+                        // Nothing was forwarded: give the key back so a retry can go through.
+                        if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                            tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
+                        }
+                        return Err(match got {
+                            Err(e) => GatewayError::Store(e),
+                            _ => in_flight_error(),
+                        });
+                    }
+                }
+            }
+        };
+        let result = self.forward(request).await;
+        if let Some(held) = held {
+            held.release(store).await;
+        }
+        result
+    }
+
+    /// Forwards once and records the outcome.
+    async fn forward(&self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
         let (_, idem, upstream) = self
             .gateway
             .route_config(&self.route)

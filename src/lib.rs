@@ -7,6 +7,7 @@
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
+//! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
 //! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
 //!   Postgres implementation with its SQL and migrations.
@@ -27,6 +28,7 @@ pub mod gateway;
 pub mod key;
 pub mod problem;
 pub mod replay;
+pub mod serialize;
 pub mod server;
 pub mod store;
 pub mod wait;

@@ -48,6 +48,14 @@ pub fn key_id(scope: &str, key: &str) -> String {
     hex(&sha256(&buf)[..16])
 }
 
+/// The wake-up identity of a scope's forwarding slots (`serialize`).
+pub fn slot_id(scope: &str) -> String {
+    let mut buf = Vec::with_capacity(scope.len() + 6);
+    buf.extend_from_slice(b"slots\0");
+    buf.extend_from_slice(scope.as_bytes());
+    hex(&sha256(&buf)[..16])
+}
+
 /// Counters for tests and metrics.
 #[derive(Debug, Default)]
 pub struct WaitStats {
@@ -88,7 +96,11 @@ pub struct Subscription<'a> {
 impl Wakeups {
     /// Subscribes to wake-ups for `(scope, key)`.
     pub fn subscribe(&self, scope: &str, key: &str) -> Subscription<'_> {
-        let id = key_id(scope, key);
+        self.subscribe_id(key_id(scope, key))
+    }
+
+    /// Subscribes to wake-ups for an id ([`key_id`] or [`slot_id`]).
+    pub fn subscribe_id(&self, id: String) -> Subscription<'_> {
         let wait = {
             let mut keys = self.keys.lock().expect("wakeups lock");
             let entry = keys.entry(id.clone()).or_insert_with(|| {

@@ -117,6 +117,15 @@ pub struct KeyInfo {
     pub fingerprint_hex: String,
 }
 
+/// A forwarding slot of a scope (`serialize`), held until released or its lease ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub scope: String,
+    pub slot: i32,
+    /// Fences the release: a slot taken over after its lease ended is not freed by us.
+    pub token: String,
+}
+
 /// What one garbage collection did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GcRun {
@@ -156,6 +165,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;
+
+    /// Takes a free forwarding slot of `scope` (at most `max_in_flight` live at once across
+    /// all instances), leased for `lease`. `Ok(None)`: none is free now.
+    fn acquire_slot<'a>(
+        &'a self,
+        scope: &'a str,
+        max_in_flight: u32,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<Slot>, StoreError>>;
+
+    /// Frees a slot we hold and wakes the scope's waiters. `Ok(false)`: it was taken over.
+    fn release_slot<'a>(&'a self, slot: &'a Slot) -> BoxFuture<'a, Result<bool, StoreError>>;
 
     /// Where local waiters for in-flight keys are woken when a key is finished.
     fn wakeups(&self) -> &Arc<Wakeups>;

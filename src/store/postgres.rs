@@ -29,16 +29,18 @@ use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, GcRun, KeyInfo, LeaseToken, Outcome, Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store, StoreError,
 };
 use crate::config::PostgresConfig;
 use crate::fingerprint::hex;
 use crate::replay::StoredResponse;
-use crate::wait::{Wakeups, key_id};
+use crate::wait::{Wakeups, key_id, slot_id};
 
 /// Migrations in order; each runs once, all in one transaction under an advisory lock.
-pub const MIGRATIONS: &[(i32, &str, &str)] =
-    &[(1, "keys", include_str!("../../migrations/0001_keys.sql"))];
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (1, "keys", include_str!("../../migrations/0001_keys.sql")),
+    (2, "slots", include_str!("../../migrations/0002_slots.sql")),
+];
 
 /// The advisory lock key that serializes migrations (and nothing else).
 const MIGRATION_LOCK: i64 = 0x1de0_6a7e_0001;
@@ -107,6 +109,31 @@ const RELEASE_SQL: &str = "
 WITH done AS (
     DELETE FROM idemgate_keys
      WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
+    RETURNING 1
+)
+SELECT pg_notify('idemgate_keys', $4) FROM done";
+
+/// Takes the lowest free slot of a scope (free: absent, or its lease ended), in one
+/// statement. No row back: every slot is busy, or a concurrent taker won the slot we picked.
+const SLOT_ACQUIRE_SQL: &str = "
+WITH pick AS (
+    SELECT g AS slot FROM generate_series(0, $2 - 1) g
+     WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
+                        WHERE s.scope = $1 AND s.slot = g AND s.lease_expires_at > now())
+     ORDER BY g LIMIT 1
+)
+INSERT INTO idemgate_slots AS s (scope, slot, token, lease_expires_at)
+SELECT $1, slot, gen_random_uuid(), now() + $3::bigint * interval '1 millisecond' FROM pick
+ON CONFLICT (scope, slot) DO UPDATE
+   SET token = EXCLUDED.token, lease_expires_at = EXCLUDED.lease_expires_at
+ WHERE s.lease_expires_at <= now()
+RETURNING slot, token::text";
+
+/// Frees a slot we hold (fenced by its token) and announces it to the scope's waiters.
+const SLOT_RELEASE_SQL: &str = "
+WITH done AS (
+    DELETE FROM idemgate_slots
+     WHERE scope = $1 AND slot = $2 AND token = $3::text::uuid
     RETURNING 1
 )
 SELECT pg_notify('idemgate_keys', $4) FROM done";
@@ -548,6 +575,43 @@ impl Store for PgStore {
                     }
                 }
             }
+        })
+    }
+
+    fn acquire_slot<'a>(
+        &'a self,
+        scope: &'a str,
+        max_in_flight: u32,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<Slot>, StoreError>> {
+        Box::pin(async move {
+            let max = i32::try_from(max_in_flight).unwrap_or(i32::MAX);
+            let lease_ms = lease.as_millis() as i64;
+            let row = self
+                .with_conn(async |c| {
+                    let stmt = c.prepare_cached(SLOT_ACQUIRE_SQL).await?;
+                    c.query_opt(&stmt, &[&scope, &max, &lease_ms]).await
+                })
+                .await?;
+            Ok(row.map(|r| Slot {
+                scope: scope.to_string(),
+                slot: r.get(0),
+                token: r.get(1),
+            }))
+        })
+    }
+
+    fn release_slot<'a>(&'a self, slot: &'a Slot) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let id = slot_id(&slot.scope);
+            let rows = self
+                .with_conn(async |c| {
+                    let stmt = c.prepare_cached(SLOT_RELEASE_SQL).await?;
+                    c.query(&stmt, &[&slot.scope, &slot.slot, &slot.token, &id])
+                        .await
+                })
+                .await?;
+            Ok(rows.len() == 1)
         })
     }
 

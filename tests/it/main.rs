@@ -7,6 +7,7 @@ mod flow;
 mod hostile_clients;
 mod instances;
 mod operator_tools;
+mod serialize;
 mod status_table;
 mod store_claim;
 mod store_outage;

@@ -56,6 +56,9 @@ struct State {
     executions: AtomicUsize,
     /// Executions that finished sending their answer.
     answered: AtomicUsize,
+    /// Executions in progress now, and the most there ever were at once.
+    in_progress: AtomicUsize,
+    max_in_progress: AtomicUsize,
     behavior: Mutex<Behavior>,
     seen: Mutex<Vec<Seen>>,
 }
@@ -124,6 +127,11 @@ impl Upstream {
         self.state.answered.load(Ordering::SeqCst)
     }
 
+    /// The most executions that were ever in progress at once.
+    pub fn max_concurrency(&self) -> usize {
+        self.state.max_in_progress.load(Ordering::SeqCst)
+    }
+
     pub fn set(&self, behavior: Behavior) {
         *self.state.behavior.lock().unwrap() = behavior;
     }
@@ -141,6 +149,8 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         .map(|c| c.to_bytes())
         .unwrap_or_default();
     let n = state.executions.fetch_add(1, Ordering::SeqCst) + 1;
+    let now = state.in_progress.fetch_add(1, Ordering::SeqCst) + 1;
+    state.max_in_progress.fetch_max(now, Ordering::SeqCst);
     state.seen.lock().unwrap().push(Seen {
         method: parts.method.to_string(),
         uri: parts.uri.to_string(),
@@ -167,6 +177,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
             body.len()
         ))
     });
+    state.in_progress.fetch_sub(1, Ordering::SeqCst);
     state.answered.fetch_add(1, Ordering::SeqCst);
     Response::builder()
         .status(status)
