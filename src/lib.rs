@@ -15,6 +15,7 @@
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`admin`]: health, readiness and the key API on `admin.listen`.
+//! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`commands`]: what each CLI verb does (`main.rs` only parses arguments).
 
 #![forbid(unsafe_code)]
@@ -26,6 +27,7 @@ pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
 pub mod key;
+pub mod lab;
 pub mod problem;
 pub mod replay;
 pub mod serialize;

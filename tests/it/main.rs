@@ -6,6 +6,7 @@ mod crash_and_shutdown;
 mod flow;
 mod hostile_clients;
 mod instances;
+mod lab;
 mod operator_tools;
 mod serialize;
 mod status_table;

@@ -1,0 +1,651 @@
+//! The lab of LAB.md, as code: a deliberately naive "legacy ledger" upstream, and the lab's
+//! checks, run against any base URL (the ledger itself, or idemgate in front of it).
+//!
+//! The ledger is the backend of the lab's first variant: `POST /webhooks/payments` appends a
+//! ledger row without any uniqueness and updates the account's balance by reading it, doing
+//! some work (an ORM round trip, simulated by a short sleep), then writing it back. So it
+//! doubles rows on redelivery and loses updates under concurrency, exactly as the lab
+//! measured. Its state is in memory, inspected by the checks through [`Ledger`].
+//!
+//! The checks ([`run_checks`]) are LAB.md's "What this asks of idemgate", each reporting
+//! pass / fail / not applicable and what happened in numbers. They need a [`Harness`] that
+//! can, for a gateway, crash and restart it and take its store away; for the ledger alone
+//! those checks are not applicable.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::store::BoxFuture;
+
+/// The path of the ledger's webhook endpoint.
+pub const WEBHOOK_PATH: &str = "/webhooks/payments";
+/// The amount every lab delivery carries.
+pub const AMOUNT: i64 = 100;
+
+/// One ledger row.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub id: u64,
+    pub event_id: String,
+    pub payment_id: String,
+    pub account_id: String,
+    pub amount: i64,
+}
+
+#[derive(Default)]
+struct LedgerState {
+    rows: Vec<Row>,
+    balances: HashMap<String, i64>,
+}
+
+/// The naive legacy ledger, in memory.
+pub struct Ledger {
+    state: Mutex<LedgerState>,
+    next_id: AtomicU64,
+    /// Requests that reached the handler (executions).
+    received: AtomicUsize,
+    /// Pause between reading and writing the balance, in milliseconds.
+    work_ms: AtomicU64,
+}
+
+impl Ledger {
+    pub fn new(work: Duration) -> Arc<Ledger> {
+        Arc::new(Ledger {
+            state: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            received: AtomicUsize::new(0),
+            work_ms: AtomicU64::new(work.as_millis() as u64),
+        })
+    }
+
+    /// Serves the ledger on `listener` until the task is aborted.
+    pub fn serve(self: &Arc<Self>, listener: TcpListener) -> tokio::task::JoinHandle<()> {
+        let ledger = Arc::clone(self);
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let ledger = Arc::clone(&ledger);
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let ledger = Arc::clone(&ledger);
+                        async move { Ok::<_, Infallible>(ledger.handle(req).await) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        })
+    }
+
+    /// Binds 127.0.0.1:0 and serves; returns the address.
+    pub async fn start(
+        self: &Arc<Self>,
+    ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        Ok((addr, self.serve(listener)))
+    }
+
+    pub fn set_work(&self, work: Duration) {
+        self.work_ms
+            .store(work.as_millis() as u64, Ordering::SeqCst);
+    }
+
+    pub fn received(&self) -> usize {
+        self.received.load(Ordering::SeqCst)
+    }
+
+    /// Ledger rows for a payment.
+    pub fn rows_for_payment(&self, payment_id: &str) -> usize {
+        let st = self.state.lock().expect("ledger lock");
+        st.rows
+            .iter()
+            .filter(|r| r.payment_id == payment_id)
+            .count()
+    }
+
+    /// Ledger rows and balance of an account.
+    pub fn account(&self, account_id: &str) -> (usize, i64) {
+        let st = self.state.lock().expect("ledger lock");
+        (
+            st.rows
+                .iter()
+                .filter(|r| r.account_id == account_id)
+                .count(),
+            st.balances.get(account_id).copied().unwrap_or(0),
+        )
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Response<Full<Bytes>> {
+        if req.method() != Method::POST || req.uri().path() != WEBHOOK_PATH {
+            return reply(
+                StatusCode::NOT_FOUND,
+                serde_json::json!({"error": "not found"}),
+            );
+        }
+        let Ok(body) = req.into_body().collect().await else {
+            return reply(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"error": "bad body"}),
+            );
+        };
+        let Ok(event) = serde_json::from_slice::<serde_json::Value>(&body.to_bytes()) else {
+            return reply(
+                StatusCode::BAD_REQUEST,
+                serde_json::json!({"error": "not JSON"}),
+            );
+        };
+        self.received.fetch_add(1, Ordering::SeqCst);
+        let text = |f: &str| event[f].as_str().unwrap_or_default().to_string();
+        let (event_id, payment_id, account_id) =
+            (text("event_id"), text("payment_id"), text("account_id"));
+        let amount = event["amount"].as_i64().unwrap_or(0);
+        // "We answer 200 after commit, so each event arrives once": no uniqueness at all.
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let read = {
+            let mut st = self.state.lock().expect("ledger lock");
+            st.rows.push(Row {
+                id,
+                event_id: event_id.clone(),
+                payment_id,
+                account_id: account_id.clone(),
+                amount,
+            });
+            st.balances.get(&account_id).copied().unwrap_or(0)
+        };
+        // account.balance = account.balance + amount, the ORM way: read, work, write.
+        let work = self.work_ms.load(Ordering::SeqCst);
+        if work > 0 {
+            tokio::time::sleep(Duration::from_millis(work)).await;
+        }
+        let balance = read + amount;
+        self.state
+            .lock()
+            .expect("ledger lock")
+            .balances
+            .insert(account_id, balance);
+        reply(
+            StatusCode::OK,
+            serde_json::json!({"received": event_id, "ledger_row": id, "balance": balance}),
+        )
+    }
+}
+
+fn reply(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+/// The gateway config of the lab: webhooks keyed by the domain key `/payment_id`, scoped by
+/// `/account_id`, fingerprinted as canonical JSON without the delivery's own `/event_id` and
+/// `/source` (so a reconciliation call for the same payment is the same request), and
+/// serialized per account because the ledger reads, then writes.
+///
+/// `lease` must exceed the upstream timeout (2s) + `serialize_wait` + the store's record bound.
+pub fn gateway_config(
+    listen: &str,
+    store: &str,
+    ledger_url: &str,
+    lease: &str,
+    serialize_wait: &str,
+) -> String {
+    format!(
+        r#"listen: {listen}
+server: {{ shutdown_grace: 5s }}
+store:
+{store}
+upstreams:
+  ledger: {{ url: "{ledger_url}", connect_timeout: 1s, timeout: 2s }}
+routes:
+  - name: payment-webhooks
+    match: {{ path: {WEBHOOK_PATH}, methods: [POST] }}
+    upstream: ledger
+    idempotency:
+      key: [ {{ json: /payment_id }} ]
+      scope: {{ json: /account_id }}
+      required: true
+      fingerprint: {{ json_canonical: true, json_ignore: [/event_id, /source] }}
+      lease: {lease}
+      wait_timeout: 10s
+      serialize: {{ max_in_flight: 1, wait_timeout: {serialize_wait} }}
+  - name: everything-else
+    match: {{ path_prefix: / }}
+    upstream: ledger
+"#
+    )
+}
+
+/// What a check needs from the thing under test beyond its URL.
+pub trait Harness: Send + Sync {
+    /// Where deliveries go.
+    fn base_url(&self) -> String;
+    /// Whether there is a gateway (crash and store checks apply).
+    fn is_gateway(&self) -> bool;
+    /// Kills the gateway at once (SIGKILL), then starts it again.
+    fn kill(&self) -> BoxFuture<'_, Result<(), String>>;
+    fn restart(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// A base URL of a gateway whose store is unreachable (or the same gateway after its
+    /// store was taken away), and a way to bring it back.
+    fn store_down(&self) -> BoxFuture<'_, Result<String, String>>;
+    fn store_up(&self) -> BoxFuture<'_, Result<(), String>>;
+    /// How long a crashed attempt's key stays in flight.
+    fn lease(&self) -> Duration;
+}
+
+/// The outcome of one check.
+#[derive(Debug, Clone)]
+pub struct CheckResult {
+    pub name: &'static str,
+    /// `None`: not applicable here (no gateway to crash, no store to lose).
+    pub passed: Option<bool>,
+    /// What happened, in numbers.
+    pub detail: String,
+}
+
+/// What a client saw.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub body: Bytes,
+    pub replayed: bool,
+}
+
+impl Answer {
+    pub fn is_2xx(&self) -> bool {
+        (200..300).contains(&self.status)
+    }
+}
+
+/// A small HTTP client for the checks.
+#[derive(Clone)]
+pub struct LabClient {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Default for LabClient {
+    fn default() -> Self {
+        LabClient {
+            client: Client::builder(TokioExecutor::new())
+                .pool_max_idle_per_host(64)
+                .build(HttpConnector::new()),
+        }
+    }
+}
+
+impl LabClient {
+    /// Delivers one webhook; `Err` when no answer came (connection failed or 30 s passed).
+    pub async fn deliver(&self, base: &str, body: &serde_json::Value) -> Result<Answer, String> {
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(format!("{base}{WEBHOOK_PATH}"))
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(Duration::from_secs(30), self.client.request(req))
+            .await
+            .map_err(|_| "no answer within 30 s".to_string())?
+            .map_err(|e| format!("no answer: {e}"))?;
+        let status = resp.status().as_u16();
+        let replayed = resp
+            .headers()
+            .get(crate::replay::REPLAYED)
+            .is_some_and(|v| v == "true");
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| format!("body cut: {e}"))?
+            .to_bytes();
+        Ok(Answer {
+            status,
+            body,
+            replayed,
+        })
+    }
+}
+
+/// A webhook body.
+pub fn event(event_id: &str, payment_id: &str, account_id: &str, amount: i64) -> serde_json::Value {
+    serde_json::json!({
+        "event_id": event_id,
+        "payment_id": payment_id,
+        "account_id": account_id,
+        "amount": amount,
+    })
+}
+
+fn verdict(name: &'static str, passed: bool, detail: String) -> CheckResult {
+    CheckResult {
+        name,
+        passed: Some(passed),
+        detail,
+    }
+}
+
+fn not_applicable(name: &'static str, why: &str) -> CheckResult {
+    CheckResult {
+        name,
+        passed: None,
+        detail: why.to_string(),
+    }
+}
+
+fn count_2xx(answers: &[Result<Answer, String>]) -> usize {
+    answers
+        .iter()
+        .filter(|a| a.as_ref().is_ok_and(Answer::is_2xx))
+        .count()
+}
+
+async fn storm(
+    c: &LabClient,
+    base: &str,
+    bodies: Vec<serde_json::Value>,
+) -> Vec<Result<Answer, String>> {
+    let tasks: Vec<_> = bodies
+        .into_iter()
+        .map(|b| {
+            let (c, base) = (c.clone(), base.to_string());
+            tokio::spawn(async move { c.deliver(&base, &b).await })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.unwrap_or_else(|e| Err(e.to_string())));
+    }
+    out
+}
+
+/// The checks of LAB.md, in its order. `run` makes ids unique per run; `progress` is told
+/// each check's name before it starts.
+pub async fn run_checks(
+    h: &dyn Harness,
+    ledger: &Ledger,
+    run: &str,
+    progress: &(dyn Fn(&str) + Send + Sync),
+) -> Vec<CheckResult> {
+    let c = LabClient::default();
+    let base = h.base_url();
+    let id = |what: &str| format!("{run}-{what}");
+    let mut out = Vec::new();
+
+    // 1. One delivery.
+    let name = "one delivery";
+    progress(name);
+    let (acct, pay) = (id("acct-1"), id("pay-1"));
+    let first = c
+        .deliver(&base, &event(&id("evt-1"), &pay, &acct, AMOUNT))
+        .await;
+    let (rows, balance) = ledger.account(&acct);
+    out.push(verdict(
+        name,
+        first.as_ref().is_ok_and(Answer::is_2xx) && rows == 1 && balance == AMOUNT,
+        format!(
+            "{}, {rows} row, balance {balance}",
+            first
+                .as_ref()
+                .map_or("no answer".into(), |a| a.status.to_string())
+        ),
+    ));
+
+    // 2. A redelivery of the same event.
+    let name = "a redelivery";
+    progress(name);
+    let again = c
+        .deliver(&base, &event(&id("evt-1"), &pay, &acct, AMOUNT))
+        .await;
+    let (rows, _) = ledger.account(&acct);
+    let same =
+        matches!((&first, &again), (Ok(a), Ok(b)) if a.status == b.status && a.body == b.body);
+    out.push(verdict(
+        name,
+        same && rows == 1,
+        format!(
+            "{} answer, {rows} row{}",
+            if same { "same" } else { "different" },
+            if rows == 1 { "" } else { "s" }
+        ),
+    ));
+
+    // 3. Thirty concurrent deliveries of one event.
+    let name = "30 concurrent deliveries";
+    progress(name);
+    let (acct, pay) = (id("acct-3"), id("pay-3"));
+    let answers = storm(
+        &c,
+        &base,
+        (0..30)
+            .map(|_| event(&id("evt-3"), &pay, &acct, AMOUNT))
+            .collect(),
+    )
+    .await;
+    let ok = count_2xx(&answers);
+    let identical = answers
+        .iter()
+        .filter_map(|a| a.as_ref().ok())
+        .all(|a| answers[0].as_ref().is_ok_and(|f| f.body == a.body));
+    let rows = ledger.rows_for_payment(&pay);
+    out.push(verdict(
+        name,
+        ok == 30 && identical && rows == 1,
+        format!(
+            "{ok} of 30 answered 2xx{}, {rows} row{}",
+            if identical { " (identical)" } else { "" },
+            if rows == 1 { "" } else { "s" }
+        ),
+    ));
+
+    // 4. Thirty different events for one account at once.
+    let name = "30 events, one account";
+    progress(name);
+    let acct = id("acct-4");
+    let bodies = (0..30)
+        .map(|i| {
+            event(
+                &id(&format!("evt-4-{i}")),
+                &id(&format!("pay-4-{i}")),
+                &acct,
+                AMOUNT,
+            )
+        })
+        .collect();
+    let answers = storm(&c, &base, bodies).await;
+    let ok = count_2xx(&answers);
+    let (rows, balance) = ledger.account(&acct);
+    out.push(verdict(
+        name,
+        ok == 30 && rows == 30 && balance == 30 * AMOUNT,
+        format!(
+            "{ok} of 30 answered 2xx, {rows} rows, balance {balance} of {}",
+            30 * AMOUNT
+        ),
+    ));
+
+    // 5. A redelivery with a different body under the same key.
+    let name = "same key, different body";
+    progress(name);
+    let (acct, pay) = (id("acct-5"), id("pay-5"));
+    let _ = c
+        .deliver(&base, &event(&id("evt-5"), &pay, &acct, AMOUNT))
+        .await;
+    let changed = c
+        .deliver(&base, &event(&id("evt-5"), &pay, &acct, AMOUNT * 9))
+        .await;
+    let (rows, balance) = ledger.account(&acct);
+    let refused = changed
+        .as_ref()
+        .is_ok_and(|a| (400..500).contains(&a.status));
+    out.push(verdict(
+        name,
+        refused && rows == 1 && balance == AMOUNT,
+        format!(
+            "{}, {rows} row{}, balance {balance}",
+            changed
+                .as_ref()
+                .map_or("no answer".into(), |a| a.status.to_string()),
+            if rows == 1 { "" } else { "s" }
+        ),
+    ));
+
+    // 6. The gateway killed between forwarding and storing.
+    let name = "gateway killed mid-request";
+    progress(name);
+    if h.is_gateway() {
+        out.push(crash_check(h, ledger, &c, &id("acct-6"), &id("pay-6"), &id("evt-6")).await);
+    } else {
+        out.push(not_applicable(name, "no gateway to kill"));
+    }
+
+    // 7. The store unreachable.
+    let name = "store unreachable";
+    progress(name);
+    if h.is_gateway() {
+        out.push(store_check(h, ledger, &c, &id("acct-7"), &id("pay-7")).await);
+    } else {
+        out.push(not_applicable(name, "no store"));
+    }
+
+    // 8. A domain key: the webhook and a reconciliation job close the same payment.
+    let name = "webhook + reconciliation";
+    progress(name);
+    let (acct, pay) = (id("acct-8"), id("pay-8"));
+    let hook = c
+        .deliver(&base, &event(&id("evt-8"), &pay, &acct, AMOUNT))
+        .await;
+    let mut recon = event(&id("recon-8"), &pay, &acct, AMOUNT);
+    recon["source"] = "reconciliation".into();
+    let job = c.deliver(&base, &recon).await;
+    let rows = ledger.rows_for_payment(&pay);
+    out.push(verdict(
+        name,
+        hook.as_ref().is_ok_and(Answer::is_2xx)
+            && job.as_ref().is_ok_and(Answer::is_2xx)
+            && rows == 1,
+        format!(
+            "both answered 2xx: {}, {rows} row{}",
+            hook.is_ok() && job.is_ok(),
+            if rows == 1 { "" } else { "s" }
+        ),
+    ));
+    out
+}
+
+async fn crash_check(
+    h: &dyn Harness,
+    ledger: &Ledger,
+    c: &LabClient,
+    acct: &str,
+    pay: &str,
+    evt: &str,
+) -> CheckResult {
+    let name = "gateway killed mid-request";
+    let body = event(evt, pay, acct, AMOUNT);
+    ledger.set_work(Duration::from_millis(500));
+    let before = ledger.received();
+    let (c2, base, b2) = (c.clone(), h.base_url(), body.clone());
+    let first = tokio::spawn(async move { c2.deliver(&base, &b2).await });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ledger.received() == before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if let Err(e) = h.kill().await {
+        ledger.set_work(Duration::from_millis(10));
+        return verdict(name, false, format!("could not kill the gateway: {e}"));
+    }
+    let first = first.await.unwrap_or_else(|e| Err(e.to_string()));
+    ledger.set_work(Duration::from_millis(10));
+    if let Err(e) = h.restart().await {
+        return verdict(name, false, format!("could not restart the gateway: {e}"));
+    }
+    // The sender redelivers until it gets a 2xx. No 2xx may arrive before the ledger has the
+    // row; the event must end up executed (never lost).
+    let mut premature = false;
+    let mut tries = 0;
+    let until = Instant::now() + h.lease() + Duration::from_secs(15);
+    let mut done = None;
+    while Instant::now() < until {
+        tries += 1;
+        match c.deliver(&h.base_url(), &body).await {
+            Ok(a) if a.is_2xx() => {
+                premature = ledger.rows_for_payment(pay) == 0;
+                done = Some(a);
+                break;
+            }
+            _ => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    let rows = ledger.rows_for_payment(pay);
+    let passed = first.as_ref().is_ok_and(|a| !a.is_2xx()) || first.is_err();
+    verdict(
+        name,
+        passed && done.is_some() && !premature && rows >= 1,
+        format!(
+            "killed: {}; {tries} redeliveries until 2xx; {rows} row{}{}",
+            if first.is_err() {
+                "no answer"
+            } else {
+                "answered"
+            },
+            if rows == 1 { "" } else { "s" },
+            if rows > 1 {
+                " (forwarded again after the lease: a counted double, never a loss)"
+            } else {
+                ""
+            }
+        ),
+    )
+}
+
+async fn store_check(
+    h: &dyn Harness,
+    ledger: &Ledger,
+    c: &LabClient,
+    acct: &str,
+    pay: &str,
+) -> CheckResult {
+    let name = "store unreachable";
+    let base = match h.store_down().await {
+        Ok(base) => base,
+        Err(e) => return verdict(name, false, format!("could not take the store away: {e}")),
+    };
+    let before = ledger.received();
+    let started = Instant::now();
+    let answer = c
+        .deliver(&base, &event(&format!("{pay}-evt"), pay, acct, AMOUNT))
+        .await;
+    let elapsed = started.elapsed();
+    let forwarded = ledger.received() - before;
+    let restored = h.store_up().await;
+    let status = answer.as_ref().map_or(0, |a| a.status);
+    verdict(
+        name,
+        status == 503 && forwarded == 0 && restored.is_ok(),
+        format!(
+            "{status} in {} ms, {forwarded} forwarded",
+            elapsed.as_millis()
+        ),
+    )
+}
