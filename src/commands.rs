@@ -34,10 +34,17 @@ impl CommandError {
     }
 }
 
-/// Opens the configured store (lazily: no connection is made yet).
-pub fn open_store(config: &Config) -> Result<Arc<PgStore>, CommandError> {
+/// Opens the configured store. Postgres connects lazily (this succeeds with it down); the
+/// embedded store opens its file and takes its one-instance lock now.
+pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
     match &config.store {
         StoreConfig::Postgres(pg) => Ok(Arc::new(PgStore::new(pg)?)),
+        #[cfg(feature = "sqlite")]
+        StoreConfig::Sqlite(sq) => Ok(Arc::new(crate::store::sqlite::SqliteStore::open(sq)?)),
+        #[cfg(not(feature = "sqlite"))]
+        StoreConfig::Sqlite(_) => Err(CommandError::Other(
+            "this build has no embedded store".into(),
+        )),
     }
 }
 
@@ -47,7 +54,7 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     let store = open_store(&config)?;
     let applied = store.migrate().await?;
     tracing::info!(applied, "migrations checked");
-    store.start_listener();
+    store.start_background();
     let listener = TcpListener::bind(config.listen).await?;
     let admin = match &config.admin {
         Some(a) => Some(TcpListener::bind(a.listen).await?),
@@ -57,13 +64,17 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(admin) = admin {
         tracing::info!(listen = %admin.local_addr()?, "admin API serving");
-        let store: Arc<dyn Store> = store.clone();
+        let store = Arc::clone(&store);
         let mut rx = stop_rx.clone();
         tokio::spawn(crate::admin::run(admin, store, async move {
             let _ = rx.wait_for(|s| *s).await;
         }));
     }
-    tokio::spawn(gc_loop(store.clone(), config.gc.clone(), stop_rx.clone()));
+    tokio::spawn(gc_loop(
+        Arc::clone(&store),
+        config.gc.clone(),
+        stop_rx.clone(),
+    ));
     let gateway = Arc::new(Gateway::new(Arc::clone(&config), store));
     crate::server::run(
         listener,
@@ -79,7 +90,7 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
 /// Collects expired rows every `interval` until shutdown; errors are logged and retried at
 /// the next tick.
 async fn gc_loop(
-    store: Arc<PgStore>,
+    store: Arc<dyn Store>,
     cfg: crate::config::GcConfig,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {

@@ -79,7 +79,7 @@ struct RawServer {
 #[serde(deny_unknown_fields)]
 struct RawStore {
     postgres: Option<RawPostgres>,
-    sqlite: Option<Value>,
+    sqlite: Option<RawSqlite>,
     gc: Option<RawGc>,
 }
 
@@ -99,6 +99,13 @@ struct RawPostgres {
     connect_timeout: Option<String>,
     statement_timeout: Option<String>,
     tls: Option<RawPgTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSqlite {
+    path: String,
+    busy_timeout: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -250,6 +257,7 @@ pub struct GcConfig {
 #[derive(Debug, Clone)]
 pub enum StoreConfig {
     Postgres(PostgresConfig),
+    Sqlite(SqliteConfig),
 }
 
 impl StoreConfig {
@@ -258,8 +266,17 @@ impl StoreConfig {
     pub fn record_bound(&self) -> Duration {
         match self {
             StoreConfig::Postgres(pg) => pg.acquire_timeout + pg.statement_timeout,
+            StoreConfig::Sqlite(sq) => sq.busy_timeout + Duration::from_millis(500),
         }
     }
+}
+
+/// The embedded store: one SQLite file, one gateway instance.
+#[derive(Debug, Clone)]
+pub struct SqliteConfig {
+    pub path: std::path::PathBuf,
+    /// How long a statement waits for SQLite's write lock.
+    pub busy_timeout: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -426,6 +443,7 @@ pub mod defaults {
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const POOL_SIZE: usize = 16;
+    pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
     pub const GC_BATCH_SIZE: usize = 1000;
     pub const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(500);
@@ -733,12 +751,39 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         )?,
     };
 
-    if raw.store.sqlite.is_some() {
-        return Err(not_supported("store.sqlite"));
-    }
-    let store = match raw.store.postgres {
-        None => return Err(invalid("store", "missing 'postgres'")),
-        Some(pg) => {
+    let store = match (raw.store.postgres, raw.store.sqlite) {
+        (None, None) => {
+            return Err(invalid(
+                "store",
+                "give 'postgres: { url: ... }' or 'sqlite: { path: ... }'",
+            ));
+        }
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "store",
+                "give either 'postgres' or 'sqlite', not both",
+            ));
+        }
+        (None, Some(sq)) => {
+            if cfg!(not(feature = "sqlite")) {
+                return Err(invalid(
+                    "store.sqlite",
+                    "this build has no embedded store (built without the 'sqlite' feature)",
+                ));
+            }
+            if sq.path.is_empty() {
+                return Err(invalid("store.sqlite.path", "must not be empty"));
+            }
+            StoreConfig::Sqlite(SqliteConfig {
+                path: sq.path.into(),
+                busy_timeout: duration_or(
+                    "store.sqlite.busy_timeout",
+                    sq.busy_timeout.as_ref(),
+                    defaults::SQLITE_BUSY_TIMEOUT,
+                )?,
+            })
+        }
+        (Some(pg), None) => {
             if let Some(tls) = &pg.tls {
                 match tls.mode.as_str() {
                     "disable" => {}
@@ -1258,7 +1303,9 @@ routes:
             (n == "DB_URL").then(|| "postgres://x@h/d".to_string())
         })
         .unwrap();
-        let StoreConfig::Postgres(pg) = &c.store;
+        let StoreConfig::Postgres(pg) = &c.store else {
+            panic!("a postgres store")
+        };
         assert_eq!(pg.url, "postgres://x@h/d");
         assert_eq!(
             err(&yaml),

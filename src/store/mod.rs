@@ -8,9 +8,15 @@
 //!   (fencing): `Ok(false)` means our lease was taken over, and nothing was written.
 //! - A row is never `completed` without its whole response in the same statement.
 //! - Every call is bounded in time: it returns [`StoreError`] instead of hanging.
+//!
+//! Two implementations: [`postgres::PgStore`] (many instances, production) and, with the
+//! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
+//! (`tests/it/conformance.rs`) run the same test bodies against both.
 
 pub mod pg_listener;
 pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -100,6 +106,39 @@ pub enum Outcome {
     Release,
 }
 
+/// The columns a final outcome writes (every store's finish statement takes these).
+pub(crate) struct FinishRow<'a> {
+    pub state: &'static str,
+    pub status: Option<i32>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<&'a [u8]>,
+}
+
+impl<'a> FinishRow<'a> {
+    pub(crate) fn of(outcome: &'a Outcome) -> FinishRow<'a> {
+        let (state, status, headers, body) = match outcome {
+            Outcome::Completed(r) => (
+                "completed",
+                Some(i32::from(r.status)),
+                Some(r.encode_headers()),
+                Some(&r.body[..]),
+            ),
+            Outcome::NotReplayable { status } => {
+                ("not_replayable", Some(i32::from(*status)), None, None)
+            }
+            Outcome::Unknown => ("unknown", None, None, None),
+            // Release deletes the row instead (RELEASE_SQL); nothing is written.
+            Outcome::Release => ("in_flight", None, None, None),
+        };
+        FinishRow {
+            state,
+            status,
+            headers,
+            body,
+        }
+    }
+}
+
 /// A row as an operator sees it (`idemgate keys show`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyInfo {
@@ -177,6 +216,14 @@ pub trait Store: Send + Sync + 'static {
 
     /// Frees a slot we hold and wakes the scope's waiters. `Ok(false)`: it was taken over.
     fn release_slot<'a>(&'a self, slot: &'a Slot) -> BoxFuture<'a, Result<bool, StoreError>>;
+
+    /// Applies pending migrations (safe to run from several instances at once where the
+    /// store allows several). Returns how many were applied.
+    fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>>;
+
+    /// Starts what runs beside the requests (the Postgres wake-up listener). Must be called
+    /// inside a Tokio runtime; without it, waiters poll.
+    fn start_background(&self) {}
 
     /// Where local waiters for in-flight keys are woken when a key is finished.
     fn wakeups(&self) -> &Arc<Wakeups>;

@@ -29,7 +29,8 @@ use tokio_postgres::NoTls;
 use tokio_postgres::error::SqlState;
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store,
+    StoreError,
 };
 use crate::config::PostgresConfig;
 use crate::fingerprint::hex;
@@ -160,39 +161,6 @@ DELETE FROM idemgate_keys
 const DELETE_SQL: &str = "
 WITH done AS (DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2 RETURNING 1)
 SELECT pg_notify('idemgate_keys', $3) FROM done";
-
-/// The columns [`FINISH_SQL`] writes for a final outcome.
-struct FinishRow<'a> {
-    state: &'static str,
-    status: Option<i32>,
-    headers: Option<Vec<u8>>,
-    body: Option<&'a [u8]>,
-}
-
-impl<'a> FinishRow<'a> {
-    fn of(outcome: &'a Outcome) -> FinishRow<'a> {
-        let (state, status, headers, body) = match outcome {
-            Outcome::Completed(r) => (
-                "completed",
-                Some(i32::from(r.status)),
-                Some(r.encode_headers()),
-                Some(&r.body[..]),
-            ),
-            Outcome::NotReplayable { status } => {
-                ("not_replayable", Some(i32::from(*status)), None, None)
-            }
-            Outcome::Unknown => ("unknown", None, None, None),
-            // Release deletes the row instead (RELEASE_SQL); nothing is written.
-            Outcome::Release => ("in_flight", None, None, None),
-        };
-        FinishRow {
-            state,
-            status,
-            headers,
-            body,
-        }
-    }
-}
 
 pub struct PgStore {
     pool: Pool,
@@ -613,6 +581,14 @@ impl Store for PgStore {
                 .await?;
             Ok(rows.len() == 1)
         })
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(PgStore::migrate(self))
+    }
+
+    fn start_background(&self) {
+        self.start_listener();
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {

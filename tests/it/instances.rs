@@ -6,7 +6,6 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use http::Method;
-use idemgate::store::Store;
 
 use crate::support::process::GatewayProcess;
 use crate::support::*;

@@ -2,7 +2,9 @@
 
 mod cli;
 mod config_files;
+mod conformance;
 mod crash_and_shutdown;
+mod embedded_store;
 mod flow;
 mod hostile_clients;
 mod instances;

@@ -2,8 +2,6 @@
 
 use std::process::Command;
 
-use idemgate::store::Store;
-
 use crate::support::*;
 
 /// Inserts `n` rows under `scope`, expired (`past`) or live.

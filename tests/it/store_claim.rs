@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use idemgate::store::{Claim, ClaimRequest, Store};
+use idemgate::store::{Claim, ClaimRequest};
 
 use crate::support::*;
 

@@ -19,7 +19,7 @@ async fn pool_exhaustion_answers_503_within_its_bound() {
     let c = client();
     assert_eq!(post(&c, &gw, "a", "warm", "x").await.status, 201);
     let held = gw
-        .store
+        .pg()
         .pool()
         .get()
         .await

@@ -17,21 +17,49 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use idemgate::config::Config;
+use idemgate::config::{Config, StoreConfig};
 use idemgate::gateway::Gateway;
+use idemgate::store::Store;
 use idemgate::store::postgres::PgStore;
 use tokio::net::TcpListener;
 
 pub use upstream::{Behavior, Upstream};
 
-/// The default keyed route used by most tests; `{idem}` adds idempotency fields.
+/// The default keyed route used by most tests, on Postgres; `{idem}` adds idempotency fields.
 pub fn config_yaml(db: &str, upstream: &str, idem: &str) -> String {
+    config_yaml_store(&pg_store_block(db), upstream, idem)
+}
+
+/// The Postgres store block of the test configs.
+pub fn pg_store_block(db: &str) -> String {
+    format!(
+        "  postgres: {{ url: \"{db}\", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
+    )
+}
+
+/// The embedded store block of the test configs (its record bound is also 1.5s).
+pub fn sqlite_store_block(path: &std::path::Path) -> String {
+    format!(
+        "  sqlite: {{ path: \"{}\", busy_timeout: 1s }}",
+        path.display()
+    )
+}
+
+/// Which store a conformance test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Postgres,
+    Sqlite,
+}
+
+/// The default routes with any store block.
+pub fn config_yaml_store(store: &str, upstream: &str, idem: &str) -> String {
     format!(
         r#"
 listen: 127.0.0.1:0
 server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
 store:
-  postgres: {{ url: "{db}", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}
+{store}
 upstreams:
   app: {{ url: "{upstream}", connect_timeout: 500ms, timeout: 5s }}
 routes:
@@ -51,10 +79,39 @@ routes:
 /// A gateway served in this process.
 pub struct TestGateway {
     pub addr: SocketAddr,
-    pub store: Arc<PgStore>,
+    /// The store, whichever it is.
+    pub store: Arc<dyn Store>,
+    /// The same store when it is Postgres (for its pool).
+    pg: Option<Arc<PgStore>>,
+    /// The database URL (Postgres) or file (embedded store).
     pub db: String,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// A fresh embedded-store file, removed (with its WAL and lock files) when dropped.
+pub struct TempDb(pub std::path::PathBuf);
+
+impl TempDb {
+    pub fn new() -> TempDb {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-sqlite-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDb(dir.join("idemgate.db"))
+    }
+}
+
+impl Drop for TempDb {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 impl TestGateway {
@@ -67,11 +124,19 @@ impl TestGateway {
     pub async fn start_with(yaml: &str, db: &str, listener: bool) -> TestGateway {
         init_logs();
         let config = Arc::new(Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}")));
-        let idemgate::config::StoreConfig::Postgres(pg) = &config.store;
-        let store = Arc::new(PgStore::new(pg).expect("store"));
+        let (store, pg): (Arc<dyn Store>, _) = match &config.store {
+            StoreConfig::Postgres(pg) => {
+                let pg = Arc::new(PgStore::new(pg).expect("store"));
+                (pg.clone(), Some(pg))
+            }
+            StoreConfig::Sqlite(sq) => (
+                Arc::new(idemgate::store::sqlite::SqliteStore::open(sq).expect("embedded store")),
+                None,
+            ),
+        };
         store.migrate().await.expect("migrations");
         if listener {
-            store.start_listener();
+            store.start_background();
         }
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
@@ -90,6 +155,7 @@ impl TestGateway {
         TestGateway {
             addr,
             store,
+            pg,
             db: db.to_string(),
             stop: Some(tx),
             task: Some(task),
@@ -100,6 +166,47 @@ impl TestGateway {
     pub async fn with_upstream(upstream: &Upstream, idem: &str) -> TestGateway {
         let db = pg::fresh_database().await;
         TestGateway::start(&config_yaml(&db, &upstream.url(), idem), &db).await
+    }
+
+    /// A fresh store of the given kind, a gateway with the default routes and `idem` fields.
+    /// The embedded store's file lives as long as the returned `TempDb`.
+    pub async fn on(
+        backend: Backend,
+        upstream: &Upstream,
+        idem: &str,
+    ) -> (TestGateway, Option<TempDb>) {
+        TestGateway::on_with(backend, upstream, idem, |y| y).await
+    }
+
+    /// As [`on`](Self::on), with a last edit of the YAML (e.g. a shorter upstream timeout).
+    pub async fn on_with(
+        backend: Backend,
+        upstream: &Upstream,
+        idem: &str,
+        edit: impl Fn(String) -> String,
+    ) -> (TestGateway, Option<TempDb>) {
+        match backend {
+            Backend::Postgres => {
+                let db = pg::fresh_database().await;
+                let yaml = edit(config_yaml(&db, &upstream.url(), idem));
+                (TestGateway::start(&yaml, &db).await, None)
+            }
+            Backend::Sqlite => {
+                let file = TempDb::new();
+                let yaml = edit(config_yaml_store(
+                    &sqlite_store_block(&file.0),
+                    &upstream.url(),
+                    idem,
+                ));
+                let gw = TestGateway::start(&yaml, &file.0.display().to_string()).await;
+                (gw, Some(file))
+            }
+        }
+    }
+
+    /// The Postgres store (panics on the embedded one).
+    pub fn pg(&self) -> &Arc<PgStore> {
+        self.pg.as_ref().expect("a Postgres-backed gateway")
     }
 
     /// Starts graceful shutdown and waits for the server to return.
@@ -275,7 +382,6 @@ where
 
 /// The state of a key's row, if any.
 pub async fn row_state(gw: &TestGateway, scope: &str, key: &str) -> Option<String> {
-    use idemgate::store::Store;
     gw.store
         .inspect(scope, key)
         .await

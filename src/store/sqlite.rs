@@ -1,0 +1,532 @@
+//! The embedded store: one SQLite file, one gateway instance, zero setup.
+//!
+//! Same contract as the Postgres store (see `store/mod.rs`), with these mechanics:
+//! - One connection, owned by one dedicated thread; every call is a job sent to it, so no
+//!   blocking SQLite call ever runs on an async worker. A job carries its deadline: a job
+//!   still queued when its caller gave up is skipped, never run late (a late claim would
+//!   leave a key in flight with nobody to forward it).
+//! - SQLite has one writer, and every call runs in one `BEGIN IMMEDIATE` transaction on the
+//!   one connection, so the claim (an `INSERT ... ON CONFLICT DO UPDATE ... WHERE
+//!   <claimable> RETURNING`, then a read of the row when nothing was claimed) cannot
+//!   interleave with any other write: no check-then-write window exists.
+//! - Leases and expiries use the database clock (`unixepoch('subsec')`, in milliseconds).
+//! - WAL mode, `synchronous=FULL` (an answer is durable before it is sent), and a bounded
+//!   `busy_timeout`.
+//! - Waiters are woken in process, right after the finishing transaction commits.
+//! - One instance per file: an exclusive lock on `<path>.lock`, held for the store's life;
+//!   a second instance is refused with a clear message.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
+
+use super::{
+    BoxFuture, Claim, ClaimRequest, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store,
+    StoreError,
+};
+use crate::config::SqliteConfig;
+use crate::fingerprint::hex;
+use crate::replay::StoredResponse;
+use crate::wait::{Wakeups, key_id, slot_id};
+
+/// Migrations of the embedded store, applied in order in one transaction.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "keys_and_slots",
+    include_str!("../../migrations/sqlite/0001_keys_and_slots.sql"),
+)];
+
+/// The database clock, in milliseconds since the epoch.
+const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+/// How long a call may wait in the queue before its job starts.
+const QUEUE_BOUND: Duration = Duration::from_millis(500);
+
+type Job = Box<dyn FnOnce(&mut Connection) + Send>;
+
+pub struct SqliteStore {
+    jobs: mpsc::Sender<(Instant, Job)>,
+    bound: Duration,
+    wakeups: Arc<Wakeups>,
+    path: PathBuf,
+    /// Held (locked) for the store's life: one instance per file.
+    _lock: File,
+}
+
+fn sqlite_error(e: rusqlite::Error) -> StoreError {
+    use rusqlite::ErrorCode;
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => StoreError::Timeout,
+        Some(ErrorCode::CannotOpen) => StoreError::Connect(e.to_string()),
+        _ => StoreError::Db(e.to_string()),
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the file, takes the instance lock, sets WAL mode and
+    /// starts the store thread.
+    pub fn open(cfg: &SqliteConfig) -> Result<SqliteStore, StoreError> {
+        if let Some(dir) = cfg.path.parent()
+            && !dir.as_os_str().is_empty()
+        {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                StoreError::Connect(format!("cannot create {}: {e}", dir.display()))
+            })?;
+        }
+        let lock_path = lock_path(&cfg.path);
+        let lock = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| {
+                StoreError::Connect(format!("cannot open {}: {e}", lock_path.display()))
+            })?;
+        if lock.try_lock().is_err() {
+            return Err(StoreError::Connect(format!(
+                "another idemgate instance is using {} (it holds {}); the embedded store serves \
+                 one instance: stop the other one, or use the Postgres store for several",
+                cfg.path.display(),
+                lock_path.display()
+            )));
+        }
+        let mut conn = Connection::open(&cfg.path).map_err(sqlite_error)?;
+        conn.busy_timeout(cfg.busy_timeout).map_err(sqlite_error)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(sqlite_error)?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(sqlite_error)?;
+        conn.set_prepared_statement_cache_capacity(32);
+        let (tx, rx) = mpsc::channel::<(Instant, Job)>();
+        std::thread::Builder::new()
+            .name("idemgate-sqlite".into())
+            .spawn(move || {
+                while let Ok((deadline, job)) = rx.recv() {
+                    if Instant::now() <= deadline {
+                        job(&mut conn);
+                    }
+                    // A job past its deadline is dropped unrun; its caller already answered.
+                }
+            })
+            .map_err(|e| StoreError::Connect(format!("cannot start the store thread: {e}")))?;
+        let wakeups = Arc::new(Wakeups::default());
+        wakeups.set_healthy(true); // in-process wake-ups always flow
+        Ok(SqliteStore {
+            jobs: tx,
+            bound: cfg.busy_timeout + QUEUE_BOUND,
+            wakeups,
+            path: cfg.path.clone(),
+            _lock: lock,
+        })
+    }
+
+    /// The database file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` on the store thread in one IMMEDIATE transaction, bounded in time.
+    async fn call<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
+    {
+        let (otx, orx) = tokio::sync::oneshot::channel();
+        let deadline = Instant::now() + QUEUE_BOUND;
+        let job: Job = Box::new(move |conn| {
+            let result = (|| {
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let v = f(&tx)?;
+                tx.commit()?;
+                Ok(v)
+            })();
+            let _ = otx.send(result);
+        });
+        self.jobs
+            .send((deadline, job))
+            .map_err(|_| StoreError::Connect("the store thread has stopped".into()))?;
+        match tokio::time::timeout(self.bound, orx).await {
+            Err(_) => Err(StoreError::Timeout),
+            // Dropped unrun: it waited in the queue past its deadline.
+            Ok(Err(_)) => Err(StoreError::AcquireTimeout),
+            Ok(Ok(r)) => r.map_err(sqlite_error),
+        }
+    }
+}
+
+fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+fn migrate(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<usize> {
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS idemgate_migrations (
+            version INTEGER PRIMARY KEY, name TEXT NOT NULL,
+            applied_at INTEGER NOT NULL DEFAULT (unixepoch()))",
+    )?;
+    let mut applied = 0;
+    for (version, name, sql) in MIGRATIONS {
+        let done: bool = tx.query_row(
+            "SELECT EXISTS (SELECT 1 FROM idemgate_migrations WHERE version = ?1)",
+            [version],
+            |r| r.get(0),
+        )?;
+        if !done {
+            tx.execute_batch(sql)?;
+            tx.execute(
+                "INSERT INTO idemgate_migrations (version, name) VALUES (?1, ?2)",
+                params![version, name],
+            )?;
+            applied += 1;
+        }
+    }
+    Ok(applied)
+}
+
+/// The claim of `store/postgres.rs`, in SQLite's dialect; see the module docs for why two
+/// statements in one IMMEDIATE transaction are as atomic as one.
+fn claim_sql() -> String {
+    format!(
+        "INSERT INTO idemgate_keys AS k
+            (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
+             created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, 'in_flight', lower(hex(randomblob(16))), {NOW} + ?5, 1,
+                 {NOW}, {NOW} + ?6)
+         ON CONFLICT (scope, key) DO UPDATE SET
+            route = excluded.route,
+            fingerprint = excluded.fingerprint,
+            state = 'in_flight',
+            lease_token = excluded.lease_token,
+            lease_expires_at = excluded.lease_expires_at,
+            attempts = CASE WHEN k.state = 'in_flight' AND k.expires_at > {NOW}
+                            THEN k.attempts + 1 ELSE 1 END,
+            status = NULL, headers = NULL, body = NULL,
+            created_at = excluded.created_at,
+            completed_at = NULL,
+            expires_at = excluded.expires_at
+         WHERE k.expires_at <= {NOW}
+            OR (NOT ?7 AND k.state = 'in_flight' AND k.lease_expires_at <= {NOW}
+                AND k.fingerprint = excluded.fingerprint)
+         RETURNING lease_token, attempts"
+    )
+}
+
+fn existing_sql() -> String {
+    format!(
+        "SELECT state, fingerprint, status, headers, body,
+                state = 'in_flight' AND lease_expires_at <= {NOW},
+                max(0, coalesce(lease_expires_at, 0) - {NOW})
+           FROM idemgate_keys WHERE scope = ?1 AND key = ?2"
+    )
+}
+
+fn decode_existing(
+    fp: &[u8; 32],
+    row: &rusqlite::Row<'_>,
+) -> rusqlite::Result<Result<Claim, StoreError>> {
+    let state: String = row.get(0)?;
+    let stored_fp: Vec<u8> = row.get(1)?;
+    if stored_fp != fp {
+        return Ok(Ok(Claim::Mismatch));
+    }
+    let status: Option<i64> = row.get(2)?;
+    let status = status
+        .and_then(|s| u16::try_from(s).ok())
+        .filter(|s| http::StatusCode::from_u16(*s).is_ok());
+    let lease_expired: bool = row.get(5)?;
+    let remaining: i64 = row.get(6)?;
+    Ok(match state.as_str() {
+        "in_flight" if lease_expired => Ok(Claim::Held),
+        "in_flight" => Ok(Claim::InFlight {
+            lease_remaining: Duration::from_millis(u64::try_from(remaining).unwrap_or(0)),
+        }),
+        "unknown" => Ok(Claim::Held),
+        "not_replayable" => match status {
+            Some(status) => Ok(Claim::NotReplayable { status }),
+            None => Err(StoreError::Corrupt("missing or invalid status")),
+        },
+        "completed" => {
+            let headers: Option<Vec<u8>> = row.get(3)?;
+            let body: Option<Vec<u8>> = row.get(4)?;
+            match (
+                status,
+                headers.and_then(|h| StoredResponse::decode_headers(&h)),
+                body,
+            ) {
+                (Some(status), Some(headers), Some(body)) => Ok(Claim::Completed(StoredResponse {
+                    status,
+                    headers,
+                    body: body.into(),
+                })),
+                _ => Err(StoreError::Corrupt("incomplete stored response")),
+            }
+        }
+        _ => Err(StoreError::Corrupt("unknown state")),
+    })
+}
+
+impl Store for SqliteStore {
+    fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
+        let (scope, key, route) = (
+            req.scope.to_string(),
+            req.key.to_string(),
+            req.route.to_string(),
+        );
+        let fp = *req.fingerprint;
+        let (lease, ttl) = (req.lease.as_millis() as i64, req.ttl.as_millis() as i64);
+        let hold = req.hold_expired_leases;
+        Box::pin(async move {
+            self.call(move |tx| {
+                let claimed = tx
+                    .prepare_cached(&claim_sql())?
+                    .query_row(params![scope, key, route, &fp[..], lease, ttl, hold], |r| {
+                        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
+                    })
+                    .optional()?;
+                if let Some((token, attempts)) = claimed {
+                    return Ok(Ok(Claim::Acquired {
+                        token: LeaseToken(token),
+                        took_over: attempts > 1,
+                    }));
+                }
+                tx.prepare_cached(&existing_sql())?
+                    .query_row(params![scope, key], |r| decode_existing(&fp, r))
+            })
+            .await?
+        })
+    }
+
+    fn finish<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+        token: &'a LeaseToken,
+        outcome: Outcome,
+        ttl: Duration,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let (s, k, t) = (scope.to_string(), key.to_string(), token.0.clone());
+        let ttl = ttl.as_millis() as i64;
+        Box::pin(async move {
+            let n = self
+                .call(move |tx| {
+                    let fence =
+                        "scope = ?1 AND key = ?2 AND lease_token = ?3 AND state = 'in_flight'";
+                    if let Outcome::Release = &outcome {
+                        return tx.execute(
+                            &format!("DELETE FROM idemgate_keys WHERE {fence}"),
+                            params![s, k, t],
+                        );
+                    }
+                    let FinishRow {
+                        state,
+                        status,
+                        headers,
+                        body,
+                    } = FinishRow::of(&outcome);
+                    tx.prepare_cached(&format!(
+                        "UPDATE idemgate_keys
+                            SET state = ?4, status = ?5, headers = ?6, body = ?7,
+                                lease_token = NULL, lease_expires_at = NULL,
+                                completed_at = {NOW}, expires_at = {NOW} + ?8
+                          WHERE {fence}"
+                    ))?
+                    .execute(params![s, k, t, state, status, headers, body, ttl])
+                })
+                .await?;
+            if n == 1 {
+                self.wakeups.wake(&key_id(scope, key));
+            }
+            Ok(n == 1)
+        })
+    }
+
+    fn inspect<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>> {
+        let (s, k) = (scope.to_string(), key.to_string());
+        Box::pin(async move {
+            self.call(move |tx| {
+                let ts = |col: &str| {
+                    format!("strftime('%Y-%m-%d %H:%M:%f+00', {col} / 1000.0, 'unixepoch')")
+                };
+                tx.query_row(
+                    &format!(
+                        "SELECT scope, key, route, state, status, attempts, length(body),
+                                {}, {}, {}, {}, fingerprint
+                           FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
+                        ts("created_at"),
+                        ts("completed_at"),
+                        ts("lease_expires_at"),
+                        ts("expires_at")
+                    ),
+                    params![s, k],
+                    |r| {
+                        Ok(KeyInfo {
+                            scope: r.get(0)?,
+                            key: r.get(1)?,
+                            route: r.get(2)?,
+                            state: r.get(3)?,
+                            status: r
+                                .get::<_, Option<i64>>(4)?
+                                .and_then(|s| u16::try_from(s).ok()),
+                            attempts: r.get(5)?,
+                            body_bytes: r.get::<_, Option<i64>>(6)?.map(|n| n as usize),
+                            created_at: r.get(7)?,
+                            completed_at: r.get(8)?,
+                            lease_expires_at: r.get(9)?,
+                            expires_at: r.get(10)?,
+                            fingerprint_hex: hex(&r.get::<_, Vec<u8>>(11)?),
+                        })
+                    },
+                )
+                .optional()
+            })
+            .await
+        })
+    }
+
+    fn delete<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let (s, k) = (scope.to_string(), key.to_string());
+        Box::pin(async move {
+            let n = self
+                .call(move |tx| {
+                    tx.execute(
+                        "DELETE FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
+                        params![s, k],
+                    )
+                })
+                .await?;
+            if n == 1 {
+                self.wakeups.wake(&key_id(scope, key));
+            }
+            Ok(n == 1)
+        })
+    }
+
+    fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>> {
+        let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
+        Box::pin(async move {
+            let mut deleted = 0u64;
+            loop {
+                // One short transaction per batch, so claims are not held up for long.
+                let n = self
+                    .call(move |tx| {
+                        tx.execute(
+                            &format!(
+                                "DELETE FROM idemgate_keys WHERE (scope, key) IN
+                                   (SELECT scope, key FROM idemgate_keys
+                                     WHERE expires_at <= {NOW} ORDER BY expires_at LIMIT ?1)"
+                            ),
+                            [batch],
+                        )
+                    })
+                    .await?;
+                deleted += n as u64;
+                if (n as i64) < batch {
+                    return Ok(GcRun { deleted, ran: true });
+                }
+            }
+        })
+    }
+
+    fn acquire_slot<'a>(
+        &'a self,
+        scope: &'a str,
+        max_in_flight: u32,
+        lease: Duration,
+    ) -> BoxFuture<'a, Result<Option<Slot>, StoreError>> {
+        let s = scope.to_string();
+        let lease = lease.as_millis() as i64;
+        Box::pin(async move {
+            self.call(move |tx| {
+                let free: Option<i64> = tx
+                    .query_row(
+                        &format!(
+                            "WITH RECURSIVE g(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM g WHERE n + 1 < ?2)
+                             SELECT n FROM g
+                              WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
+                                                 WHERE s.scope = ?1 AND s.slot = g.n
+                                                   AND s.lease_expires_at > {NOW})
+                              ORDER BY n LIMIT 1"
+                        ),
+                        params![s, i64::from(max_in_flight)],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                let Some(slot) = free else { return Ok(None) };
+                let token: String = tx.query_row(
+                    &format!(
+                        "INSERT INTO idemgate_slots (scope, slot, token, lease_expires_at)
+                         VALUES (?1, ?2, lower(hex(randomblob(16))), {NOW} + ?3)
+                         ON CONFLICT (scope, slot) DO UPDATE
+                            SET token = excluded.token, lease_expires_at = excluded.lease_expires_at
+                         RETURNING token"
+                    ),
+                    params![s, slot, lease],
+                    |r| r.get(0),
+                )?;
+                Ok(Some(Slot {
+                    scope: s,
+                    slot: slot as i32,
+                    token,
+                }))
+            })
+            .await
+        })
+    }
+
+    fn release_slot<'a>(&'a self, slot: &'a Slot) -> BoxFuture<'a, Result<bool, StoreError>> {
+        let (s, n, t) = (slot.scope.clone(), slot.slot, slot.token.clone());
+        Box::pin(async move {
+            let done = self
+                .call(move |tx| {
+                    tx.execute(
+                        "DELETE FROM idemgate_slots WHERE scope = ?1 AND slot = ?2 AND token = ?3",
+                        params![s, n, t],
+                    )
+                })
+                .await?;
+            self.wakeups.wake(&slot_id(&slot.scope));
+            Ok(done == 1)
+        })
+    }
+
+    fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
+        Box::pin(self.call(migrate))
+    }
+
+    fn wakeups(&self) -> &Arc<Wakeups> {
+        &self.wakeups
+    }
+
+    fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
+            let v: i64 = self
+                .call(|tx| {
+                    tx.query_row(
+                        "SELECT coalesce(max(version), 0) FROM idemgate_migrations",
+                        [],
+                        |r| r.get(0),
+                    )
+                })
+                .await?;
+            if v < i64::from(latest) {
+                return Err(StoreError::Db("migrations not applied".into()));
+            }
+            Ok(())
+        })
+    }
+}

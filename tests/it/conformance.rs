@@ -1,0 +1,721 @@
+//! The conformance suite: one test body, two stores. Every test here runs against
+//! PostgreSQL and against the embedded SQLite store (`postgres::*` and `sqlite::*`), so
+//! neither can drift from SPEC sections 2-3.
+
+use std::time::Duration;
+
+use http::Method;
+use idemgate::store::{Claim, ClaimRequest, Outcome};
+
+use crate::support::*;
+
+/// A gateway whose keyed route has `serialize` (upstream timeout 1s, lease 20s).
+async fn serialized(
+    b: Backend,
+    up: &Upstream,
+    max: u32,
+    wait: &str,
+) -> (TestGateway, Option<TempDb>) {
+    let idem =
+        format!("lease: 20s\n      serialize: {{ max_in_flight: {max}, wait_timeout: {wait} }}");
+    TestGateway::on_with(b, up, &idem, |y| y.replace("timeout: 5s", "timeout: 1s")).await
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::Backend::Postgres).await
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::Backend::Sqlite).await
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    a_finish_with_a_lost_lease_writes_nothing,
+    expired_rows_are_collected_and_live_ones_kept,
+    a_large_response_is_stored_whole,
+    a_retry_after_completion_gets_the_stored_answer_byte_for_byte,
+    thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers,
+    the_same_key_with_another_body_is_422_and_not_forwarded,
+    a_mismatch_against_an_in_flight_request_is_422_too,
+    the_same_key_in_two_scopes_executes_twice_and_never_leaks,
+    a_retry_status_releases_the_key_so_a_retry_is_forwarded,
+    a_4xx_answer_is_stored_and_replayed_like_any_other,
+    a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored,
+    an_expired_lease_is_taken_over_and_forwarded_again,
+    a_duplicate_in_flight_is_409_with_retry_after_when_rejecting,
+    a_wait_that_runs_out_is_409,
+    an_upstream_timeout_is_504_and_reforward_releases_the_key,
+    a_held_key_whose_outcome_is_unknown_is_502_until_deleted,
+    a_response_too_large_to_store_reaches_the_first_client_whole_and_retries_get_502,
+    at_most_max_in_flight_forwards_per_scope_run_at_once,
+    a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key,
+);
+
+async fn a_retry_after_completion_gets_the_stored_answer_byte_for_byte(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+
+    let first = post(&c, &gw, "acct-1", "k1", r#"{"amount":10}"#).await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed(), "a first answer is not marked replayed");
+    assert_eq!(first.json()["execution"], 1);
+    assert!(
+        first.headers.contains_key("set-cookie"),
+        "the first client gets every header"
+    );
+
+    let retry = post(&c, &gw, "acct-1", "k1", r#"{"amount":10}"#).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body, "byte-identical body");
+    assert_eq!(retry.headers["content-type"], first.headers["content-type"]);
+    assert_eq!(retry.headers["etag"], first.headers["etag"]);
+    assert!(
+        !retry.headers.contains_key("set-cookie"),
+        "set-cookie is never stored"
+    );
+    assert!(
+        !retry.headers.contains_key("x-upstream"),
+        "only allow-listed headers are stored"
+    );
+    assert_eq!(up.executions(), 1);
+}
+
+async fn thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(400),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let c = c.clone();
+            let url = gw.url("/pay");
+            tokio::spawn(async move {
+                send(
+                    &c,
+                    Method::POST,
+                    &url,
+                    &[("idempotency-key", "storm"), ("x-account-id", "acct-1")],
+                    r#"{"event_id":"storm","amount":5}"#,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.unwrap());
+    }
+    assert_eq!(up.executions(), 1, "one execution for 30 duplicates");
+    for r in &replies {
+        assert_eq!(r.status, 201, "every duplicate gets the 2xx: {r:?}");
+        assert_eq!(
+            r.body, replies[0].body,
+            "every duplicate gets the same body"
+        );
+    }
+    assert_eq!(
+        replies.iter().filter(|r| !r.replayed()).count(),
+        1,
+        "exactly one first answer, the rest replays"
+    );
+}
+
+async fn the_same_key_with_another_body_is_422_and_not_forwarded(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    assert_eq!(
+        post(&c, &gw, "a", "k", r#"{"amount":10}"#).await.status,
+        201
+    );
+    let other = post(&c, &gw, "a", "k", r#"{"amount":99}"#).await;
+    assert_eq!(other.status, 422);
+    assert_eq!(other.problem(), "fingerprint-mismatch");
+    assert_eq!(up.executions(), 1);
+}
+
+async fn a_mismatch_against_an_in_flight_request_is_422_too(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    let c2 = c.clone();
+    let url = gw.url("/pay");
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "one",
+        )
+        .await
+    });
+    wait_until(
+        "the first request is in flight",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let other = post(&c, &gw, "a", "k", "two").await;
+    assert_eq!(other.problem(), "fingerprint-mismatch");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+async fn the_same_key_in_two_scopes_executes_twice_and_never_leaks(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    let a = post(&c, &gw, "acct-A", "shared-key", r#"{"amount":1}"#).await;
+    let b = post(&c, &gw, "acct-B", "shared-key", r#"{"amount":1}"#).await;
+    assert_eq!((a.status, b.status), (201, 201));
+    assert!(!b.replayed(), "B's first request is not a replay of A's");
+    assert_ne!(a.body, b.body, "B never sees A's stored body");
+    assert_eq!(up.executions(), 2);
+    // And each scope replays its own answer.
+    assert_eq!(
+        post(&c, &gw, "acct-A", "shared-key", r#"{"amount":1}"#)
+            .await
+            .body,
+        a.body
+    );
+    assert_eq!(
+        post(&c, &gw, "acct-B", "shared-key", r#"{"amount":1}"#)
+            .await
+            .body,
+        b.body
+    );
+}
+
+async fn a_retry_status_releases_the_key_so_a_retry_is_forwarded(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        script: vec![503, 429],
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    let r1 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r1.status, 503, "the upstream's 503 is passed through");
+    assert_eq!(row_state(&gw, "a", "k").await, None, "released");
+    let r2 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r2.status, 429);
+    let r3 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r3.status, 201);
+    assert!(!r3.replayed());
+    let r4 = post(&c, &gw, "a", "k", "x").await;
+    assert!(r4.replayed());
+    assert_eq!(r4.body, r3.body);
+    assert_eq!(up.executions(), 3);
+}
+
+async fn a_4xx_answer_is_stored_and_replayed_like_any_other(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        status: 400,
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let c = client();
+    let r1 = post(&c, &gw, "a", "k", "x").await;
+    let r2 = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r1.status, r2.status), (400, 400));
+    assert!(r2.replayed());
+    assert_eq!(r1.body, r2.body);
+    assert_eq!(up.executions(), 1);
+}
+
+async fn a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored(b: Backend) {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let body = r#"{"amount":7}"#;
+    s.write_all(
+        format!(
+            "POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: gone\r\nx-account-id: a\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    wait_until(
+        "the upstream got the request",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    drop(s); // the client hangs up while the upstream works
+    wait_until("the answer is stored", Duration::from_secs(10), || async {
+        row_state(&gw, "a", "gone").await.as_deref() == Some("completed")
+    })
+    .await;
+    assert_eq!(up.answered(), 1, "the upstream call was not cancelled");
+    let c = client();
+    let retry = post(&c, &gw, "a", "gone", body).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.json()["execution"], 1);
+    assert_eq!(up.executions(), 1);
+}
+
+async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
+    let up = Upstream::start().await;
+    // A short lease; the upstream timeout must stay below it.
+    let (gw, _db) = TestGateway::on_with(b, &up, "lease: 3s\n      in_flight: reject", |y| {
+        y.replace("timeout: 5s", "timeout: 1s")
+    })
+    .await;
+    // A crashed gateway: it claimed the key (with the fingerprint the gateway computes for
+    // this request) and never finished.
+    let body = "x";
+    let c = client();
+    let fp = {
+        let cfg = Default::default();
+        idemgate::fingerprint::fingerprint(
+            &cfg,
+            &Method::POST,
+            "payments",
+            "/pay",
+            &http::HeaderMap::new(),
+            body.as_bytes(),
+            None,
+        )
+        .unwrap()
+    };
+    let claimed = gw
+        .store
+        .claim(ClaimRequest {
+            scope: "a",
+            key: "crashed",
+            route: "payments",
+            fingerprint: &fp,
+            lease: Duration::from_secs(3),
+            ttl: Duration::from_secs(60),
+            hold_expired_leases: false,
+        })
+        .await
+        .unwrap();
+    assert!(matches!(claimed, idemgate::store::Claim::Acquired { .. }));
+
+    let early = post(&c, &gw, "a", "crashed", body).await;
+    assert_eq!(early.status, 409, "a live lease is respected");
+    assert_eq!(early.problem(), "in-flight");
+    assert!(early.headers.contains_key("retry-after"));
+    assert_eq!(up.executions(), 0);
+
+    let c2 = c.clone();
+    let gw_url = gw.url("/pay");
+    wait_until("the lease is taken over", Duration::from_secs(10), || {
+        let c2 = c2.clone();
+        let gw_url = gw_url.clone();
+        async move {
+            let r = send(
+                &c2,
+                Method::POST,
+                &gw_url,
+                &[("idempotency-key", "crashed"), ("x-account-id", "a")],
+                body,
+            )
+            .await;
+            r.status == 201
+        }
+    })
+    .await;
+    assert_eq!(up.executions(), 1);
+    let info = gw.store.inspect("a", "crashed").await.unwrap().unwrap();
+    assert_eq!(info.state, "completed");
+    assert_eq!(info.attempts, 2, "the takeover is counted on the row");
+}
+
+async fn a_duplicate_in_flight_is_409_with_retry_after_when_rejecting(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(600),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "in_flight: reject").await;
+    let c = client();
+    let (c2, url) = (c.clone(), gw.url("/pay"));
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "x",
+        )
+        .await
+    });
+    wait_until(
+        "the first is in flight",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let dup = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
+    assert_eq!(dup.headers["retry-after"], "1");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert_eq!(up.executions(), 1);
+}
+
+async fn a_wait_that_runs_out_is_409(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1500),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "wait_timeout: 300ms").await;
+    let c = client();
+    let (c2, url) = (c.clone(), gw.url("/pay"));
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "k"), ("x-account-id", "a")],
+            "x",
+        )
+        .await
+    });
+    wait_until(
+        "the first is in flight",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let dup = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
+    assert!(dup.headers.contains_key("retry-after"));
+    assert_eq!(first.await.unwrap().status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+async fn an_upstream_timeout_is_504_and_reforward_releases_the_key(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(3000),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on_with(b, &up, "lease: 5s", |y| {
+        y.replace("timeout: 5s", "timeout: 500ms")
+    })
+    .await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "upstream-timeout"));
+    assert_eq!(
+        row_state(&gw, "a", "k").await,
+        None,
+        "reforward releases the key"
+    );
+    up.set(Behavior::default());
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(
+        up.executions(),
+        2,
+        "forwarded again: the first outcome was unknown"
+    );
+}
+
+async fn a_held_key_whose_outcome_is_unknown_is_502_until_deleted(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(3000),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) =
+        TestGateway::on_with(b, &up, "lease: 5s\n      on_unknown_outcome: hold", |y| {
+            y.replace("timeout: 5s", "timeout: 500ms")
+        })
+        .await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!((r.status, r.problem().as_str()), (504, "upstream-timeout"));
+    assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("unknown"));
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(
+        (retry.status, retry.problem().as_str()),
+        (502, "outcome-unknown")
+    );
+    assert_eq!(up.executions(), 1);
+    // An operator releases the key; the next retry is forwarded.
+    assert!(gw.store.delete("a", "k").await.unwrap());
+    up.set(Behavior::default());
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    assert_eq!(up.executions(), 2);
+}
+
+async fn a_response_too_large_to_store_reaches_the_first_client_whole_and_retries_get_502(
+    b: Backend,
+) {
+    let big = bytes::Bytes::from(vec![b'z'; 5000]);
+    let up = Upstream::start_with(Behavior {
+        body: Some(big.clone()),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = TestGateway::on(b, &up, "max_stored_response: 1KiB").await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, big, "the first client gets the whole body");
+    assert_eq!(
+        row_state(&gw, "a", "k").await.as_deref(),
+        Some("not_replayable")
+    );
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(
+        (retry.status, retry.problem().as_str()),
+        (502, "response-not-replayable")
+    );
+    assert_eq!(up.executions(), 1, "never a second forward");
+}
+
+async fn at_most_max_in_flight_forwards_per_scope_run_at_once(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(150),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = serialized(b, &up, 2, "10s").await;
+    let replies = crate::serialize::burst(&[gw.url("/pay")], "acct", 10).await;
+    assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
+    assert_eq!(up.executions(), 10);
+    assert!(
+        up.max_concurrency() <= 2,
+        "max {} at once",
+        up.max_concurrency()
+    );
+}
+
+async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(900),
+        ..Default::default()
+    })
+    .await;
+    let (gw, _db) = serialized(b, &up, 1, "200ms").await;
+    let c = client();
+    let (c2, url) = (c.clone(), gw.url("/pay"));
+    let first = tokio::spawn(async move {
+        send(
+            &c2,
+            Method::POST,
+            &url,
+            &[("idempotency-key", "first"), ("x-account-id", "a")],
+            "e",
+        )
+        .await
+    });
+    wait_until(
+        "the first holds the slot",
+        Duration::from_secs(10),
+        || async { up.executions() == 1 },
+    )
+    .await;
+    let second = post(&c, &gw, "a", "second", "e").await;
+    assert_eq!(
+        (second.status, second.problem().as_str()),
+        (409, "in-flight")
+    );
+    assert!(second.headers.contains_key("retry-after"));
+    assert_eq!(
+        row_state(&gw, "a", "second").await,
+        None,
+        "released: nothing was forwarded"
+    );
+    assert_eq!(first.await.unwrap().status, 201);
+    // Now the slot is free: the retry goes through.
+    assert_eq!(post(&c, &gw, "a", "second", "e").await.status, 201);
+    assert_eq!(up.executions(), 2);
+}
+
+fn claim_req<'a>(
+    key: &'a str,
+    fp: &'a [u8; 32],
+    lease: Duration,
+    ttl: Duration,
+) -> ClaimRequest<'a> {
+    ClaimRequest {
+        scope: "s",
+        key,
+        route: "payments",
+        fingerprint: fp,
+        lease,
+        ttl,
+        hold_expired_leases: false,
+    }
+}
+
+fn stored(body: &str) -> idemgate::replay::StoredResponse {
+    idemgate::replay::StoredResponse {
+        status: 201,
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("text/plain"),
+        )],
+        body: bytes::Bytes::from(body.to_string()),
+    }
+}
+
+/// Fencing: after a takeover, the first attempt's write matches no row and changes nothing.
+async fn a_finish_with_a_lost_lease_writes_nothing(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let fp = [1u8; 32];
+    let Claim::Acquired { token: old, .. } = gw
+        .store
+        .claim(claim_req(
+            "k",
+            &fp,
+            Duration::from_millis(50),
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is acquired")
+    };
+    let new = loop {
+        match gw
+            .store
+            .claim(claim_req(
+                "k",
+                &fp,
+                Duration::from_secs(60),
+                Duration::from_secs(60),
+            ))
+            .await
+            .unwrap()
+        {
+            Claim::Acquired { token, took_over } => {
+                assert!(took_over, "the second claim took an expired lease over");
+                break token;
+            }
+            Claim::InFlight { .. } => tokio::time::sleep(Duration::from_millis(20)).await,
+            other => panic!("unexpected {other:?}"),
+        }
+    };
+    let ttl = Duration::from_secs(60);
+    assert!(
+        !gw.store
+            .finish("s", "k", &old, Outcome::Completed(stored("old")), ttl)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !gw.store
+            .finish("s", "k", &old, Outcome::Release, ttl)
+            .await
+            .unwrap()
+    );
+    assert!(
+        gw.store
+            .finish("s", "k", &new, Outcome::Completed(stored("new")), ttl)
+            .await
+            .unwrap()
+    );
+    match gw
+        .store
+        .claim(claim_req("k", &fp, Duration::from_secs(60), ttl))
+        .await
+        .unwrap()
+    {
+        Claim::Completed(r) => assert_eq!(r, stored("new")),
+        other => panic!("unexpected {other:?}"),
+    }
+    let info = gw.store.inspect("s", "k").await.unwrap().unwrap();
+    assert_eq!((info.state.as_str(), info.attempts), ("completed", 2));
+}
+
+async fn expired_rows_are_collected_and_live_ones_kept(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let fp = [2u8; 32];
+    for (key, ttl) in [("old-1", 1), ("old-2", 1), ("live", 60_000)] {
+        let ttl = Duration::from_millis(ttl);
+        let Claim::Acquired { token, .. } =
+            gw.store.claim(claim_req(key, &fp, ttl, ttl)).await.unwrap()
+        else {
+            panic!("acquired")
+        };
+        assert!(
+            gw.store
+                .finish("s", key, &token, Outcome::Completed(stored(key)), ttl)
+                .await
+                .unwrap()
+        );
+    }
+    let store = gw.store.clone();
+    wait_until(
+        "both short rows are expired and collected",
+        Duration::from_secs(10),
+        || {
+            let store = store.clone();
+            async move {
+                store.gc(1).await.unwrap();
+                store.inspect("s", "old-1").await.unwrap().is_none()
+                    && store.inspect("s", "old-2").await.unwrap().is_none()
+            }
+        },
+    )
+    .await;
+    assert!(gw.store.inspect("s", "live").await.unwrap().is_some());
+}
+
+/// A completion writes status, headers and the whole body in one write (SPEC 2.7).
+async fn a_large_response_is_stored_whole(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let fp = [3u8; 32];
+    let ttl = Duration::from_secs(60);
+    let Claim::Acquired { token, .. } =
+        gw.store.claim(claim_req("k", &fp, ttl, ttl)).await.unwrap()
+    else {
+        panic!("acquired")
+    };
+    let big = "b".repeat(100_000);
+    assert!(
+        gw.store
+            .finish("s", "k", &token, Outcome::Completed(stored(&big)), ttl)
+            .await
+            .unwrap()
+    );
+    let info = gw.store.inspect("s", "k").await.unwrap().unwrap();
+    assert_eq!(
+        (info.state.as_str(), info.status, info.body_bytes),
+        ("completed", Some(201), Some(100_000))
+    );
+}
