@@ -52,8 +52,15 @@ pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
 pub async fn serve(path: &Path) -> Result<(), CommandError> {
     let config = Arc::new(Config::load(path)?);
     let store = open_store(&config)?;
-    let applied = store.migrate().await?;
-    tracing::info!(applied, "migrations checked");
+    // Migrate before serving when the store answers; when it does not, serve anyway (keyed
+    // requests get 503 store-unavailable, /readyz says not ready) and keep trying, so a
+    // gateway started during a database outage recovers by itself instead of crash-looping.
+    if let Err(e) = store.migrate().await {
+        tracing::warn!(error = %e, "cannot apply migrations yet; serving and retrying in the background");
+        tokio::spawn(migrate_until_done(Arc::clone(&store)));
+    } else {
+        tracing::info!("migrations applied");
+    }
     store.start_background();
     let listener = TcpListener::bind(config.listen).await?;
     let admin = match &config.admin {
@@ -85,6 +92,22 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     .await;
     let _ = stop_tx.send(true);
     Ok(())
+}
+
+/// Retries migrations with backoff (100 ms doubling to 5 s) until they succeed.
+async fn migrate_until_done(store: Arc<dyn Store>) {
+    let mut pause = std::time::Duration::from_millis(100);
+    loop {
+        tokio::time::sleep(pause).await;
+        match store.migrate().await {
+            Ok(_) => {
+                tracing::info!("migrations applied; the store is ready");
+                return;
+            }
+            Err(e) => tracing::debug!(error = %e, "migrations still failing"),
+        }
+        pause = (pause * 2).min(std::time::Duration::from_secs(5));
+    }
 }
 
 /// Collects expired rows every `interval` until shutdown; errors are logged and retried at

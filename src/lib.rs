@@ -16,6 +16,8 @@
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`admin`]: health, readiness and the key API on `admin.listen`.
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
+//! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
+//! - [`demo`]: `idemgate demo`: the lab, straight and through idemgate, side by side.
 //! - [`commands`]: what each CLI verb does (`main.rs` only parses arguments).
 
 #![forbid(unsafe_code)]
@@ -23,12 +25,14 @@
 pub mod admin;
 pub mod commands;
 pub mod config;
+pub mod demo;
 pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
 pub mod key;
 pub mod lab;
 pub mod problem;
+pub mod process;
 pub mod replay;
 pub mod serialize;
 pub mod server;

@@ -34,6 +34,15 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Zero-setup run of the lab (LAB.md): a naive ledger, straight and through idemgate.
+    Demo {
+        /// Run on PostgreSQL (postgres://...) instead of the embedded store.
+        #[arg(long)]
+        store: Option<String>,
+        /// Leave the gateway running afterwards and print commands to try by hand.
+        #[arg(long)]
+        keep_running: bool,
+    },
     /// Delete expired rows once (one instance at a time; a no-op while another collects).
     Gc {
         #[arg(long, short)]
@@ -98,6 +107,24 @@ fn main() -> ExitCode {
                 let n = commands::migrate(&config).await?;
                 println!("applied {n} migration(s)");
                 Ok(())
+            }
+            Command::Demo {
+                store,
+                keep_running,
+            } => {
+                let passed = idemgate::demo::run(idemgate::demo::DemoOptions {
+                    store,
+                    keep_running,
+                })
+                .await
+                .map_err(CommandError::Other)?;
+                if passed {
+                    Ok(())
+                } else {
+                    Err(CommandError::Other(
+                        "some checks failed through idemgate".into(),
+                    ))
+                }
             }
             Command::Gc { config } => {
                 let run = commands::gc(&config).await?;

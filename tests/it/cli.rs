@@ -74,3 +74,29 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn the_demo_passes_every_check_on_postgres_too() {
+    let db = crate::support::pg::fresh_database().await;
+    let out = tokio::task::spawn_blocking(move || {
+        idemgate().args(["demo", "--store", &db]).output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("every check passes through idemgate"),
+        "{stdout}"
+    );
+    assert_eq!(
+        stdout.matches("  pass  ").count(),
+        8 + 1,
+        "8 through idemgate, 1 straight:\n{stdout}"
+    );
+}

@@ -12,33 +12,6 @@ use tokio::sync::Mutex;
 use crate::support::pg::Cluster;
 use crate::support::process::GatewayProcess;
 
-/// The ledger alone.
-struct Direct(String);
-
-impl Harness for Direct {
-    fn base_url(&self) -> String {
-        self.0.clone()
-    }
-    fn is_gateway(&self) -> bool {
-        false
-    }
-    fn kill(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async { Err("no gateway".into()) })
-    }
-    fn restart(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async { Err("no gateway".into()) })
-    }
-    fn store_down(&self) -> BoxFuture<'_, Result<String, String>> {
-        Box::pin(async { Err("no store".into()) })
-    }
-    fn store_up(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async { Err("no store".into()) })
-    }
-    fn lease(&self) -> Duration {
-        Duration::ZERO
-    }
-}
-
 /// idemgate as a child process on a private cluster (so the store can be stopped).
 struct Gateway {
     process: Mutex<GatewayProcess>,
@@ -98,7 +71,13 @@ async fn the_labs_checks_fail_straight_and_pass_through_idemgate() {
     // Straight at the naive ledger.
     let ledger = Ledger::new(Duration::from_millis(10));
     let (addr, _task) = ledger.start().await.unwrap();
-    let direct = lab::run_checks(&Direct(format!("http://{addr}")), &ledger, "d", &progress).await;
+    let direct = lab::run_checks(
+        &lab::Direct(format!("http://{addr}")),
+        &ledger,
+        "d",
+        &progress,
+    )
+    .await;
     for r in &direct {
         eprintln!("direct  {:<28} {:?} {}", r.name, r.passed, r.detail);
     }
