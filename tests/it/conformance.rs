@@ -160,24 +160,7 @@ async fn a_mismatch_against_an_in_flight_request_is_422_too(b: Backend) {
     .await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let c = client();
-    let c2 = c.clone();
-    let url = gw.url("/pay");
-    let first = tokio::spawn(async move {
-        send(
-            &c2,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "k"), ("x-account-id", "a")],
-            "one",
-        )
-        .await
-    });
-    wait_until(
-        "the first request is in flight",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "k", "one").await;
     let other = post(&c, &gw, "a", "k", "two").await;
     assert_eq!(other.problem(), "fingerprint-mismatch");
     assert_eq!(first.await.unwrap().status, 201);
@@ -364,23 +347,7 @@ async fn a_duplicate_in_flight_is_409_with_retry_after_when_rejecting(b: Backend
     .await;
     let (gw, _db) = TestGateway::on(b, &up, "in_flight: reject").await;
     let c = client();
-    let (c2, url) = (c.clone(), gw.url("/pay"));
-    let first = tokio::spawn(async move {
-        send(
-            &c2,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "k"), ("x-account-id", "a")],
-            "x",
-        )
-        .await
-    });
-    wait_until(
-        "the first is in flight",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let dup = post(&c, &gw, "a", "k", "x").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert_eq!(dup.headers["retry-after"], "1");
@@ -397,23 +364,7 @@ async fn a_wait_that_runs_out_is_409(b: Backend) {
     .await;
     let (gw, _db) = TestGateway::on(b, &up, "wait_timeout: 300ms").await;
     let c = client();
-    let (c2, url) = (c.clone(), gw.url("/pay"));
-    let first = tokio::spawn(async move {
-        send(
-            &c2,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "k"), ("x-account-id", "a")],
-            "x",
-        )
-        .await
-    });
-    wait_until(
-        "the first is in flight",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let dup = post(&c, &gw, "a", "k", "x").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert!(dup.headers.contains_key("retry-after"));
@@ -528,23 +479,7 @@ async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend)
     .await;
     let (gw, _db) = serialized(b, &up, 1, "200ms").await;
     let c = client();
-    let (c2, url) = (c.clone(), gw.url("/pay"));
-    let first = tokio::spawn(async move {
-        send(
-            &c2,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "first"), ("x-account-id", "a")],
-            "e",
-        )
-        .await
-    });
-    wait_until(
-        "the first holds the slot",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "first", "e").await;
     let second = post(&c, &gw, "a", "second", "e").await;
     assert_eq!(
         (second.status, second.problem().as_str()),

@@ -21,34 +21,6 @@ fn yaml(db: &str, upstream: &str, idem: &str, grace: &str) -> String {
     .replace("shutdown_grace: 5s", &format!("shutdown_grace: {grace}"))
 }
 
-/// Sends a keyed request in the background and waits until the upstream is working on it.
-async fn in_flight(
-    c: &TestClient,
-    url: String,
-    up: &Upstream,
-    key: &'static str,
-) -> tokio::task::JoinHandle<Result<Reply, String>> {
-    let before = up.executions();
-    let c = c.clone();
-    let task = tokio::spawn(async move {
-        try_send(
-            &c,
-            Method::POST,
-            &url,
-            &[("idempotency-key", key), ("x-account-id", "a")],
-            "evt",
-        )
-        .await
-    });
-    wait_until(
-        "the upstream is working on it",
-        Duration::from_secs(10),
-        || async { up.executions() > before },
-    )
-    .await;
-    task
-}
-
 #[tokio::test]
 async fn a_gateway_killed_mid_request_forwards_again_after_the_lease_with_reforward() {
     let up = Upstream::start_with(Behavior {
@@ -59,7 +31,7 @@ async fn a_gateway_killed_mid_request_forwards_again_after_the_lease_with_reforw
     let db = pg::fresh_database().await;
     let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "5s")).await;
     let c = client();
-    let first = in_flight(&c, gw.url("/pay"), &up, "evt-1").await;
+    let first = in_flight_try(&gw.url("/pay"), &up, "a", "evt-1", "evt").await;
     gw.kill();
     assert!(
         first.await.unwrap().is_err(),
@@ -118,7 +90,7 @@ async fn a_gateway_killed_mid_request_holds_the_key_until_an_operator_deletes_it
     let mut gw =
         GatewayProcess::start(&yaml(&db, &up.url(), "on_unknown_outcome: hold", "5s")).await;
     let c = client();
-    let first = in_flight(&c, gw.url("/pay"), &up, "evt-2").await;
+    let first = in_flight_try(&gw.url("/pay"), &up, "a", "evt-2", "evt").await;
     gw.kill();
     assert!(first.await.unwrap().is_err());
     gw.restart().await;
@@ -231,8 +203,7 @@ async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
     .await;
     let db = pg::fresh_database().await;
     let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "300ms")).await;
-    let c = client();
-    let first = in_flight(&c, gw.url("/pay"), &up, "late").await;
+    let first = in_flight_try(&gw.url("/pay"), &up, "a", "late", "evt").await;
     gw.terminate();
     assert!(gw.wait_exit(Duration::from_secs(10)).await);
     assert_eq!(

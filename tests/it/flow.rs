@@ -210,27 +210,11 @@ async fn shutdown_lets_an_in_flight_keyed_request_finish_and_store_its_answer() 
     })
     .await;
     let gw = TestGateway::with_upstream(&up, "").await;
-    let (c, url) = (client(), gw.url("/pay"));
-    let in_flight = tokio::spawn(async move {
-        send(
-            &c,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "k"), ("x-account-id", "a")],
-            "x",
-        )
-        .await
-    });
-    wait_until(
-        "the request is in flight",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let store = gw.store.clone();
     let addr = gw.addr;
     gw.shutdown().await;
-    let r = in_flight.await.unwrap();
+    let r = first.await.unwrap();
     assert_eq!(r.status, 201, "the in-flight request was answered");
     let info = store.inspect("a", "k").await.unwrap().unwrap();
     assert_eq!(info.state, "completed");

@@ -66,22 +66,7 @@ async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
     let b = TestGateway::start(&yaml, &db).await;
     healthy(&a).await;
     healthy(&b).await;
-    let c = client();
-    let (c2, url) = (c.clone(), a.url("/pay"));
-    let first = tokio::spawn(async move {
-        send(
-            &c2,
-            Method::POST,
-            &url,
-            &[("idempotency-key", "k"), ("x-account-id", "a")],
-            "evt",
-        )
-        .await
-    });
-    wait_until("instance A forwards", Duration::from_secs(10), || async {
-        up.executions() == 1
-    })
-    .await;
+    let first = in_flight(&a.url("/pay"), &up, "a", "k", "evt").await;
     // 29 duplicates wait on instance B.
     let replies = storm(&[b.url("/pay")], 29, "k").await;
     let mut all = vec![first.await.unwrap()];
@@ -167,12 +152,7 @@ async fn thirty_duplicates_across_two_gateway_processes_execute_once() {
     let a = GatewayProcess::start(&yaml).await;
     let b = GatewayProcess::start(&yaml).await;
     let c = client();
-    let (c2, url) = (c.clone(), a.url("/pay"));
-    let first = tokio::spawn(async move { post_to(&c2, &url, "a", "k2", "evt").await });
-    wait_until("instance A forwards", Duration::from_secs(10), || async {
-        up.executions() == 2
-    })
-    .await;
+    let first = in_flight(&a.url("/pay"), &up, "a", "k2", "evt").await;
     let dup = post_to(&c, &b.url("/pay"), "a", "k2", "evt").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert_eq!(first.await.unwrap().status, 201);

@@ -362,6 +362,54 @@ pub async fn post(
     post_to(client, &gw.url("/pay"), account, key, body).await
 }
 
+/// Sends a keyed POST (`account`, `key`, `body`) to `url` in the background and waits until
+/// the upstream is working on it; the handle yields what the client got, or why it got
+/// nothing (a killed gateway).
+pub async fn in_flight_try(
+    url: &str,
+    up: &Upstream,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> tokio::task::JoinHandle<Result<Reply, String>> {
+    let before = up.executions();
+    let (c, url) = (client(), url.to_string());
+    let (account, key, body) = (account.to_string(), key.to_string(), body.to_string());
+    let task = tokio::spawn(async move {
+        try_send(
+            &c,
+            Method::POST,
+            &url,
+            &[("idempotency-key", &key), ("x-account-id", &account)],
+            body,
+        )
+        .await
+    });
+    wait_until(
+        "the upstream is working on it",
+        Duration::from_secs(10),
+        || async { up.executions() > before },
+    )
+    .await;
+    task
+}
+
+/// As [`in_flight_try`], for a client that must get an answer.
+pub async fn in_flight(
+    url: &str,
+    up: &Upstream,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let task = in_flight_try(url, up, account, key, body).await;
+    tokio::spawn(async move {
+        task.await
+            .expect("the request task")
+            .unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where
