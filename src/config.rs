@@ -479,6 +479,11 @@ pub mod defaults {
 // ---------------------------------------------------------------------------------------------
 
 impl Config {
+    /// The first route in file order that matches (SPEC section 2, step 1).
+    pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
+        self.routes.iter().find(|r| r.matches(method, path))
+    }
+
     /// Reads and validates a config file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {

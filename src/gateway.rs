@@ -161,11 +161,8 @@ impl Gateway {
         let path = req.uri().path();
         let route = self
             .config
-            .routes
-            .iter()
-            .position(|r| r.matches(req.method(), path))
+            .route_for(req.method(), path)
             .ok_or(GatewayError::NoRoute)?;
-        let route = &self.config.routes[route];
         let upstream = self
             .upstreams
             .get(&route.upstream)

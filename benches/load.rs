@@ -1,0 +1,399 @@
+//! The load harness: `cargo bench --bench load`.
+//!
+//! Starts a throwaway PostgreSQL (the test harness's), a minimal hyper upstream with a fixed
+//! small answer, and the release `idemgate` binary as a separate process, then drives each
+//! scenario over keep-alive connections at a fixed concurrency, interleaved, for several
+//! rounds, and prints the medians:
+//!
+//! 1. straight to the upstream;
+//! 2. through a route without idempotency (pass-through);
+//! 3. keyed, every request a new key (scopes spread over 100 accounts);
+//! 4. keyed replays of one stored key;
+//! 5. a duplicate storm: STORM concurrent requests with one key against a slow upstream;
+//! 6. the database limit: the same claim and completion statements through the pool, no HTTP.
+//!
+//! And the gateway's peak RSS after 1,000 concurrent keyed connections. Knobs (environment):
+//! LOAD_CONCURRENCY (32), LOAD_SECONDS per scenario and round (3), LOAD_ROUNDS (3),
+//! LOAD_STORM (100). Numbers depend on the machine: read the ratios.
+
+#[path = "../tests/it/support/pg.rs"]
+#[allow(dead_code)]
+mod pg;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Full};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use idemgate::store::{ClaimRequest, Outcome, Store};
+use tokio::net::{TcpListener, TcpStream};
+
+fn env(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// The upstream: `{"ok":true}` at once, or after 200 ms under `/slow`.
+async fn upstream(executions: Arc<AtomicUsize>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let _ = stream.set_nodelay(true);
+            let executions = Arc::clone(&executions);
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let executions = Arc::clone(&executions);
+                    async move {
+                        executions.fetch_add(1, Ordering::Relaxed);
+                        let slow = req.uri().path().starts_with("/slow");
+                        let _ = req.into_body().collect().await;
+                        if slow {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        let mut r = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true}")));
+                        r.headers_mut().insert("content-type", "application/json".parse().unwrap());
+                        Ok::<_, Infallible>(r)
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+
+async fn connect(addr: SocketAddr) -> Option<Sender> {
+    let stream = TcpStream::connect(addr).await.ok()?;
+    let _ = stream.set_nodelay(true);
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.ok()?;
+    tokio::spawn(conn);
+    Some(send)
+}
+
+/// What one scenario measured.
+#[derive(Clone, Copy, Default)]
+struct Stats {
+    errors: u64,
+    rps: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+fn stats(mut lat: Vec<u64>, errors: u64, elapsed: Duration) -> Stats {
+    lat.sort_unstable();
+    let pick = |q: f64| lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    Stats {
+        errors,
+        rps: lat.len() as f64 / elapsed.as_secs_f64(),
+        p50_us: pick(0.50),
+        p99_us: pick(0.99),
+    }
+}
+
+/// `concurrency` workers on their own keep-alive connections, each sending `make(i)` in a
+/// loop for `secs`.
+async fn drive<F>(addr: SocketAddr, concurrency: usize, secs: u64, make: F) -> Stats
+where
+    F: Fn(u64) -> Request<Full<Bytes>> + Send + Sync + 'static,
+{
+    let make = Arc::new(make);
+    let seq = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(secs);
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (make, seq) = (Arc::clone(&make), Arc::clone(&seq));
+            tokio::spawn(async move {
+                let mut lat = Vec::new();
+                let mut errors = 0u64;
+                let mut conn = connect(addr).await;
+                while Instant::now() < deadline {
+                    let Some(send) = conn.as_mut() else {
+                        errors += 1;
+                        conn = connect(addr).await;
+                        continue;
+                    };
+                    let req = make(seq.fetch_add(1, Ordering::Relaxed) as u64);
+                    let t = Instant::now();
+                    let ok = match send.send_request(req).await {
+                        Ok(resp) => {
+                            let good = resp.status().is_success();
+                            let body = resp.into_body().collect().await.is_ok();
+                            good && body
+                        }
+                        Err(_) => false,
+                    };
+                    if ok {
+                        lat.push(t.elapsed().as_micros() as u64);
+                    } else {
+                        errors += 1;
+                        conn = connect(addr).await;
+                    }
+                }
+                (lat, errors)
+            })
+        })
+        .collect();
+    let mut lat = Vec::new();
+    let mut errors = 0;
+    for w in workers {
+        let (l, e) = w.await.unwrap();
+        lat.extend(l);
+        errors += e;
+    }
+    stats(lat, errors, start.elapsed())
+}
+
+fn post(path: &str, key: Option<String>, account: &str) -> Request<Full<Bytes>> {
+    let mut b = Request::builder()
+        .method("POST")
+        .uri(path)
+        .header("host", "bench")
+        .header("content-type", "application/json")
+        .header("x-account-id", account);
+    if let Some(k) = key {
+        b = b.header("idempotency-key", k);
+    }
+    b.body(Full::new(Bytes::from_static(b"{\"amount\":100,\"currency\":\"EUR\"}"))).unwrap()
+}
+
+/// The database limit: claim + completion through the pool at the same concurrency.
+async fn db_limit(store: Arc<dyn Store>, concurrency: usize, secs: u64, round: usize) -> Stats {
+    let seq = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(secs);
+    let workers: Vec<_> = (0..concurrency)
+        .map(|_| {
+            let (store, seq) = (Arc::clone(&store), Arc::clone(&seq));
+            tokio::spawn(async move {
+                let (mut lat, mut errors) = (Vec::new(), 0u64);
+                let fp = [7u8; 32];
+                let resp = idemgate::replay::StoredResponse {
+                    status: 200,
+                    headers: vec![(http::header::CONTENT_TYPE, "application/json".parse().unwrap())],
+                    body: Bytes::from_static(b"{\"ok\":true}"),
+                };
+                while Instant::now() < deadline {
+                    let n = seq.fetch_add(1, Ordering::Relaxed);
+                    let key = format!("db-{round}-{n}");
+                    let scope = format!("acct-{}", n % 100);
+                    let t = Instant::now();
+                    let req = ClaimRequest {
+                        scope: &scope,
+                        key: &key,
+                        route: "keyed",
+                        fingerprint: &fp,
+                        lease: Duration::from_secs(45),
+                        ttl: Duration::from_secs(3600),
+                        hold_expired_leases: false,
+                    };
+                    let ok = match store.claim(req).await {
+                        Ok(idemgate::store::Claim::Acquired { token, .. }) => store
+                            .finish(&scope, &key, &token, Outcome::Completed(resp.clone()), Duration::from_secs(3600))
+                            .await
+                            .is_ok_and(|w| w),
+                        _ => false,
+                    };
+                    if ok {
+                        lat.push(t.elapsed().as_micros() as u64);
+                    } else {
+                        errors += 1;
+                    }
+                }
+                (lat, errors)
+            })
+        })
+        .collect();
+    let (mut lat, mut errors) = (Vec::new(), 0);
+    for w in workers {
+        let (l, e) = w.await.unwrap();
+        lat.extend(l);
+        errors += e;
+    }
+    stats(lat, errors, start.elapsed())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn rss_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with(field))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|n| n.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    format!("{cores} cores ({cpu})")
+}
+
+#[tokio::main]
+async fn main() {
+    let concurrency = env("LOAD_CONCURRENCY", 32) as usize;
+    let secs = env("LOAD_SECONDS", 3);
+    let rounds = env("LOAD_ROUNDS", 3) as usize;
+    let storm_n = env("LOAD_STORM", 100) as usize;
+
+    eprintln!("load: starting PostgreSQL, the upstream and idemgate...");
+    let cluster = tokio::task::spawn_blocking(pg::Cluster::start).await.unwrap();
+    let db = cluster.new_database().await;
+    let executions = Arc::new(AtomicUsize::new(0));
+    let up = upstream(Arc::clone(&executions)).await;
+    let store_block = format!(
+        "  postgres: {{ url: \"{db}\", pool_size: 16, acquire_timeout: 500ms, statement_timeout: 2s }}"
+    );
+    let yaml = format!(
+        r#"listen: 127.0.0.1:0
+server: {{ max_connections: 5000 }}
+store:
+{store_block}
+upstreams:
+  app: {{ url: "http://{up}", timeout: 5s }}
+routes:
+  - name: plain
+    match: {{ path_prefix: /plain }}
+    upstream: app
+  - name: keyed
+    match: {{ path_prefix: / }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+      wait_timeout: 30s
+"#
+    );
+    let dir = std::env::temp_dir().join(format!("idemgate-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_idemgate"));
+    let gw = idemgate::process::GatewayProcess::start(exe, &dir, &yaml).await.expect("gateway");
+    let gw_addr = gw.addr;
+    let config = idemgate::config::Config::from_yaml(&yaml).unwrap();
+    let idemgate::config::StoreConfig::Postgres(pgc) = &config.store else { unreachable!() };
+    let pg_store = Arc::new(idemgate::store::postgres::PgStore::new(pgc).unwrap());
+    let store: Arc<dyn Store> = pg_store;
+
+    // Prime the replayed key.
+    let mut s = connect(gw_addr).await.unwrap();
+    let r = s.send_request(post("/keyed", Some("replayed-key".into()), "acct-0")).await.unwrap();
+    assert!(r.status().is_success(), "priming failed: {}", r.status());
+
+    let names = ["direct", "pass-through", "keyed, new keys", "keyed, replays", "database limit"];
+    let mut results: Vec<Vec<Stats>> = vec![Vec::new(); names.len()];
+    let mut storms = Vec::new();
+    for round in 0..rounds {
+        eprintln!("load: round {}/{rounds}", round + 1);
+        results[0].push(drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
+        results[1].push(drive(gw_addr, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
+        results[2].push(
+            drive(gw_addr, concurrency, secs, move |i| {
+                post("/keyed", Some(format!("new-{round}-{i}")), &format!("acct-{}", i % 100))
+            })
+            .await,
+        );
+        results[3].push(drive(gw_addr, concurrency, secs, |_| post("/keyed", Some("replayed-key".into()), "acct-0")).await);
+        results[4].push(db_limit(Arc::clone(&store), concurrency, secs, round).await);
+
+        // The storm: STORM connections, one key, a slow upstream.
+        let before = executions.load(Ordering::SeqCst);
+        let key = format!("storm-{round}");
+        let t = Instant::now();
+        let tasks: Vec<_> = (0..storm_n)
+            .map(|_| {
+                let key = key.clone();
+                tokio::spawn(async move {
+                    let mut s = connect(gw_addr).await?;
+                    let r = s.send_request(post("/slow", Some(key), "acct-storm")).await.ok()?;
+                    let ok = r.status().is_success();
+                    r.into_body().collect().await.ok()?;
+                    Some(ok)
+                })
+            })
+            .collect();
+        let mut ok = 0;
+        for task in tasks {
+            if task.await.unwrap() == Some(true) {
+                ok += 1;
+            }
+        }
+        storms.push((ok, executions.load(Ordering::SeqCst) - before, t.elapsed()));
+    }
+
+    // Peak RSS with 1,000 concurrent keyed connections in flight against the slow upstream.
+    let pid = gw.pid().unwrap();
+    let rss_before = rss_kib(pid, "VmRSS:");
+    let tasks: Vec<_> = (0..1000)
+        .map(|i| {
+            tokio::spawn(async move {
+                let mut s = connect(gw_addr).await?;
+                let r = s
+                    .send_request(post("/slow", Some(format!("rss-{i}")), &format!("acct-{}", i % 100)))
+                    .await
+                    .ok()?;
+                r.into_body().collect().await.ok()?;
+                Some(())
+            })
+        })
+        .collect();
+    let mut answered = 0;
+    for t in tasks {
+        if t.await.unwrap().is_some() {
+            answered += 1;
+        }
+    }
+    let peak = rss_kib(pid, "VmHWM:");
+
+    let med = |i: usize, f: fn(&Stats) -> f64| median(results[i].iter().map(f).collect());
+    println!("\n## Load ({} rounds x {secs}s per scenario, concurrency {concurrency}, interleaved; medians)\n", rounds);
+    println!("Machine: {}. Gateway: release build, one process; PostgreSQL 15 (fsync off), upstream and load generator share the machine.\n", machine());
+    println!("| scenario | requests/s | p50 | p99 | errors |");
+    println!("|---|---:|---:|---:|---:|");
+    for (i, name) in names.iter().enumerate() {
+        let errors: u64 = results[i].iter().map(|s| s.errors).sum();
+        println!(
+            "| {name} | {:.0} | {:.2} ms | {:.2} ms | {errors} |",
+            med(i, |s| s.rps),
+            med(i, |s| s.p50_us as f64) / 1000.0,
+            med(i, |s| s.p99_us as f64) / 1000.0
+        );
+    }
+    let (rps_new, rps_db) = (med(2, |s| s.rps), med(4, |s| s.rps));
+    let (rps_replay, rps_pass, rps_direct) = (med(3, |s| s.rps), med(1, |s| s.rps), med(0, |s| s.rps));
+    println!("\n| ratio | value | target |");
+    println!("|---|---:|---:|");
+    println!("| new keys / database limit | {:.0}% | >= 70% |", 100.0 * rps_new / rps_db);
+    println!("| replays / pass-through | {:.0}% | >= 80% |", 100.0 * rps_replay / rps_pass);
+    println!("| pass-through / direct | {:.0}% | >= 60% |", 100.0 * rps_pass / rps_direct);
+    println!("\n| duplicate storm ({storm_n} concurrent, one key, upstream 200 ms) | answered 2xx | executions | time to answer all |");
+    println!("|---|---:|---:|---:|");
+    for (i, (ok, ex, t)) in storms.iter().enumerate() {
+        println!("| round {} | {ok} of {storm_n} | {ex} | {} ms |", i + 1, t.as_millis());
+    }
+    println!(
+        "\nPeak RSS of the gateway: {:.1} MiB after 1,000 concurrent keyed connections ({answered} answered; {:.1} MiB before).",
+        peak as f64 / 1024.0,
+        rss_before as f64 / 1024.0
+    );
+    drop(gw);
+    let _ = std::fs::remove_dir_all(&dir);
+}
