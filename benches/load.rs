@@ -35,7 +35,10 @@ use idemgate::store::{ClaimRequest, Outcome, Store};
 use tokio::net::{TcpListener, TcpStream};
 
 fn env(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// The upstream: `{"ok":true}` at once, or after 200 ms under `/slow`.
@@ -44,7 +47,9 @@ async fn upstream(executions: Arc<AtomicUsize>) -> SocketAddr {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else { continue };
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
             let _ = stream.set_nodelay(true);
             let executions = Arc::clone(&executions);
             tokio::spawn(async move {
@@ -58,7 +63,8 @@ async fn upstream(executions: Arc<AtomicUsize>) -> SocketAddr {
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
                         let mut r = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true}")));
-                        r.headers_mut().insert("content-type", "application/json".parse().unwrap());
+                        r.headers_mut()
+                            .insert("content-type", "application/json".parse().unwrap());
                         Ok::<_, Infallible>(r)
                     }
                 });
@@ -76,7 +82,9 @@ type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 async fn connect(addr: SocketAddr) -> Option<Sender> {
     let stream = TcpStream::connect(addr).await.ok()?;
     let _ = stream.set_nodelay(true);
-    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.ok()?;
+    let (send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .ok()?;
     tokio::spawn(conn);
     Some(send)
 }
@@ -92,7 +100,11 @@ struct Stats {
 
 fn stats(mut lat: Vec<u64>, errors: u64, elapsed: Duration) -> Stats {
     lat.sort_unstable();
-    let pick = |q: f64| lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1))).copied().unwrap_or(0);
+    let pick = |q: f64| {
+        lat.get(((lat.len() as f64 * q) as usize).min(lat.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
     Stats {
         errors,
         rps: lat.len() as f64 / elapsed.as_secs_f64(),
@@ -165,7 +177,10 @@ fn post(path: &str, key: Option<String>, account: &str) -> Request<Full<Bytes>> 
     if let Some(k) = key {
         b = b.header("idempotency-key", k);
     }
-    b.body(Full::new(Bytes::from_static(b"{\"amount\":100,\"currency\":\"EUR\"}"))).unwrap()
+    b.body(Full::new(Bytes::from_static(
+        b"{\"amount\":100,\"currency\":\"EUR\"}",
+    )))
+    .unwrap()
 }
 
 /// The database limit: claim + completion through the pool at the same concurrency.
@@ -181,7 +196,10 @@ async fn db_limit(store: Arc<dyn Store>, concurrency: usize, secs: u64, round: u
                 let fp = [7u8; 32];
                 let resp = idemgate::replay::StoredResponse {
                     status: 200,
-                    headers: vec![(http::header::CONTENT_TYPE, "application/json".parse().unwrap())],
+                    headers: vec![(
+                        http::header::CONTENT_TYPE,
+                        "application/json".parse().unwrap(),
+                    )],
                     body: Bytes::from_static(b"{\"ok\":true}"),
                 };
                 while Instant::now() < deadline {
@@ -200,7 +218,13 @@ async fn db_limit(store: Arc<dyn Store>, concurrency: usize, secs: u64, round: u
                     };
                     let ok = match store.claim(req).await {
                         Ok(idemgate::store::Claim::Acquired { token, .. }) => store
-                            .finish(&scope, &key, &token, Outcome::Completed(resp.clone()), Duration::from_secs(3600))
+                            .finish(
+                                &scope,
+                                &key,
+                                &token,
+                                Outcome::Completed(resp.clone()),
+                                Duration::from_secs(3600),
+                            )
                             .await
                             .is_ok_and(|w| w),
                         _ => false,
@@ -243,9 +267,15 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
         .unwrap_or_else(|| "unknown CPU".into());
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(0);
     format!("{cores} cores ({cpu})")
 }
 
@@ -257,7 +287,9 @@ async fn main() {
     let storm_n = env("LOAD_STORM", 100) as usize;
 
     eprintln!("load: starting PostgreSQL, the upstream and idemgate...");
-    let cluster = tokio::task::spawn_blocking(pg::Cluster::start).await.unwrap();
+    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
+        .await
+        .unwrap();
     let db = cluster.new_database().await;
     let executions = Arc::new(AtomicUsize::new(0));
     let up = upstream(Arc::clone(&executions)).await;
@@ -286,32 +318,59 @@ routes:
     let dir = std::env::temp_dir().join(format!("idemgate-load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_idemgate"));
-    let gw = idemgate::process::GatewayProcess::start(exe, &dir, &yaml).await.expect("gateway");
+    let gw = idemgate::process::GatewayProcess::start(exe, &dir, &yaml)
+        .await
+        .expect("gateway");
     let gw_addr = gw.addr;
     let config = idemgate::config::Config::from_yaml(&yaml).unwrap();
-    let idemgate::config::StoreConfig::Postgres(pgc) = &config.store else { unreachable!() };
+    let idemgate::config::StoreConfig::Postgres(pgc) = &config.store else {
+        unreachable!()
+    };
     let pg_store = Arc::new(idemgate::store::postgres::PgStore::new(pgc).unwrap());
     let store: Arc<dyn Store> = pg_store;
 
     // Prime the replayed key.
     let mut s = connect(gw_addr).await.unwrap();
-    let r = s.send_request(post("/keyed", Some("replayed-key".into()), "acct-0")).await.unwrap();
+    let r = s
+        .send_request(post("/keyed", Some("replayed-key".into()), "acct-0"))
+        .await
+        .unwrap();
     assert!(r.status().is_success(), "priming failed: {}", r.status());
 
-    let names = ["direct", "pass-through", "keyed, new keys", "keyed, replays", "database limit"];
+    let names = [
+        "direct",
+        "pass-through",
+        "keyed, new keys",
+        "keyed, replays",
+        "database limit",
+    ];
     let mut results: Vec<Vec<Stats>> = vec![Vec::new(); names.len()];
     let mut storms = Vec::new();
     for round in 0..rounds {
         eprintln!("load: round {}/{rounds}", round + 1);
         results[0].push(drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
-        results[1].push(drive(gw_addr, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
-        results[2].push(
-            drive(gw_addr, concurrency, secs, move |i| {
-                post("/keyed", Some(format!("new-{round}-{i}")), &format!("acct-{}", i % 100))
+        results[1].push(
+            drive(gw_addr, concurrency, secs, |_| {
+                post("/plain", None, "acct-0")
             })
             .await,
         );
-        results[3].push(drive(gw_addr, concurrency, secs, |_| post("/keyed", Some("replayed-key".into()), "acct-0")).await);
+        results[2].push(
+            drive(gw_addr, concurrency, secs, move |i| {
+                post(
+                    "/keyed",
+                    Some(format!("new-{round}-{i}")),
+                    &format!("acct-{}", i % 100),
+                )
+            })
+            .await,
+        );
+        results[3].push(
+            drive(gw_addr, concurrency, secs, |_| {
+                post("/keyed", Some("replayed-key".into()), "acct-0")
+            })
+            .await,
+        );
         results[4].push(db_limit(Arc::clone(&store), concurrency, secs, round).await);
 
         // The storm: STORM connections, one key, a slow upstream.
@@ -323,7 +382,10 @@ routes:
                 let key = key.clone();
                 tokio::spawn(async move {
                     let mut s = connect(gw_addr).await?;
-                    let r = s.send_request(post("/slow", Some(key), "acct-storm")).await.ok()?;
+                    let r = s
+                        .send_request(post("/slow", Some(key), "acct-storm"))
+                        .await
+                        .ok()?;
                     let ok = r.status().is_success();
                     r.into_body().collect().await.ok()?;
                     Some(ok)
@@ -347,7 +409,11 @@ routes:
             tokio::spawn(async move {
                 let mut s = connect(gw_addr).await?;
                 let r = s
-                    .send_request(post("/slow", Some(format!("rss-{i}")), &format!("acct-{}", i % 100)))
+                    .send_request(post(
+                        "/slow",
+                        Some(format!("rss-{i}")),
+                        &format!("acct-{}", i % 100),
+                    ))
                     .await
                     .ok()?;
                 r.into_body().collect().await.ok()?;
@@ -364,8 +430,14 @@ routes:
     let peak = rss_kib(pid, "VmHWM:");
 
     let med = |i: usize, f: fn(&Stats) -> f64| median(results[i].iter().map(f).collect());
-    println!("\n## Load ({} rounds x {secs}s per scenario, concurrency {concurrency}, interleaved; medians)\n", rounds);
-    println!("Machine: {}. Gateway: release build, one process; PostgreSQL 15 (fsync off), upstream and load generator share the machine.\n", machine());
+    println!(
+        "\n## Load ({} rounds x {secs}s per scenario, concurrency {concurrency}, interleaved; medians)\n",
+        rounds
+    );
+    println!(
+        "Machine: {}. Gateway: release build, one process; PostgreSQL 15 (fsync off), upstream and load generator share the machine.\n",
+        machine()
+    );
     println!("| scenario | requests/s | p50 | p99 | errors |");
     println!("|---|---:|---:|---:|---:|");
     for (i, name) in names.iter().enumerate() {
@@ -378,16 +450,32 @@ routes:
         );
     }
     let (rps_new, rps_db) = (med(2, |s| s.rps), med(4, |s| s.rps));
-    let (rps_replay, rps_pass, rps_direct) = (med(3, |s| s.rps), med(1, |s| s.rps), med(0, |s| s.rps));
+    let (rps_replay, rps_pass, rps_direct) =
+        (med(3, |s| s.rps), med(1, |s| s.rps), med(0, |s| s.rps));
     println!("\n| ratio | value | target |");
     println!("|---|---:|---:|");
-    println!("| new keys / database limit | {:.0}% | >= 70% |", 100.0 * rps_new / rps_db);
-    println!("| replays / pass-through | {:.0}% | >= 80% |", 100.0 * rps_replay / rps_pass);
-    println!("| pass-through / direct | {:.0}% | >= 60% |", 100.0 * rps_pass / rps_direct);
-    println!("\n| duplicate storm ({storm_n} concurrent, one key, upstream 200 ms) | answered 2xx | executions | time to answer all |");
+    println!(
+        "| new keys / database limit | {:.0}% | >= 70% |",
+        100.0 * rps_new / rps_db
+    );
+    println!(
+        "| replays / pass-through | {:.0}% | >= 80% |",
+        100.0 * rps_replay / rps_pass
+    );
+    println!(
+        "| pass-through / direct | {:.0}% | >= 60% |",
+        100.0 * rps_pass / rps_direct
+    );
+    println!(
+        "\n| duplicate storm ({storm_n} concurrent, one key, upstream 200 ms) | answered 2xx | executions | time to answer all |"
+    );
     println!("|---|---:|---:|---:|");
     for (i, (ok, ex, t)) in storms.iter().enumerate() {
-        println!("| round {} | {ok} of {storm_n} | {ex} | {} ms |", i + 1, t.as_millis());
+        println!(
+            "| round {} | {ok} of {storm_n} | {ex} | {} ms |",
+            i + 1,
+            t.as_millis()
+        );
     }
     println!(
         "\nPeak RSS of the gateway: {:.1} MiB after 1,000 concurrent keyed connections ({answered} answered; {:.1} MiB before).",

@@ -18,7 +18,11 @@ fn json_body(size: usize) -> Bytes {
     let mut len = 0;
     let mut i = 0;
     while len < size {
-        let item = format!(r#"{{"id":{i},"sku":"sku-{i:06}","qty":{},"price":"{}.99"}}"#, i % 7, i % 100);
+        let item = format!(
+            r#"{{"id":{i},"sku":"sku-{i:06}","qty":{},"price":"{}.99"}}"#,
+            i % 7,
+            i % 100
+        );
         len += item.len() + 1;
         items.push(item);
         i += 1;
@@ -63,16 +67,32 @@ fn fingerprints(c: &mut Criterion) {
         g.throughput(Throughput::Bytes(body.len() as u64));
         g.bench_function(format!("raw/{}KiB", size / 1024), |b| {
             b.iter(|| {
-                fingerprint(&raw, &Method::POST, "payments", "/webhooks/payments", &headers, black_box(&body), None)
-                    .unwrap()
+                fingerprint(
+                    &raw,
+                    &Method::POST,
+                    "payments",
+                    "/webhooks/payments",
+                    &headers,
+                    black_box(&body),
+                    None,
+                )
+                .unwrap()
             })
         });
         g.bench_function(format!("canonical_json/{}KiB", size / 1024), |b| {
             b.iter(|| {
                 // Parsing is part of the cost of the canonical form.
                 let parsed: serde_json::Value = serde_json::from_slice(black_box(&body)).unwrap();
-                fingerprint(&canonical, &Method::POST, "payments", "/webhooks/payments", &headers, &body, Some(&parsed))
-                    .unwrap()
+                fingerprint(
+                    &canonical,
+                    &Method::POST,
+                    "payments",
+                    "/webhooks/payments",
+                    &headers,
+                    &body,
+                    Some(&parsed),
+                )
+                .unwrap()
             })
         });
     }
@@ -98,7 +118,11 @@ fn keys_and_routes(c: &mut Criterion) {
         })
     });
     c.bench_function("route/match_4th_of_5", |b| {
-        b.iter(|| config.route_for(black_box(&Method::POST), black_box("/webhooks/payments")).unwrap())
+        b.iter(|| {
+            config
+                .route_for(black_box(&Method::POST), black_box("/webhooks/payments"))
+                .unwrap()
+        })
     });
 }
 
@@ -132,7 +156,11 @@ fn responses(c: &mut Criterion) {
         })
     });
     c.bench_function("problem/render", |b| {
-        b.iter(|| black_box(GatewayError::FingerprintMismatch).problem().into_response())
+        b.iter(|| {
+            black_box(GatewayError::FingerprintMismatch)
+                .problem()
+                .into_response()
+        })
     });
 }
 

@@ -56,6 +56,13 @@ struct RawConfig {
     store: RawStore,
     upstreams: BTreeMap<String, RawUpstream>,
     routes: Vec<RawRoute>,
+    replay_cache: Option<RawReplayCache>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawReplayCache {
+    max_bytes: Option<RawSize>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -224,6 +231,8 @@ pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub gc: GcConfig,
+    /// Bytes of completed responses kept in memory for hot replays; 0 disables the cache.
+    pub replay_cache_bytes: usize,
     /// Upstreams by name.
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     /// Routes in file order: the first that matches wins.
@@ -446,6 +455,7 @@ pub mod defaults {
     pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
     pub const GC_BATCH_SIZE: usize = 1000;
+    pub const REPLAY_CACHE_BYTES: usize = 64 * 1024 * 1024;
     pub const ACQUIRE_TIMEOUT: Duration = Duration::from_millis(500);
     pub const PG_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
     pub const STATEMENT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -968,6 +978,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         server,
         store,
         gc,
+        replay_cache_bytes: size_or(
+            "replay_cache.max_bytes",
+            raw.replay_cache.as_ref().and_then(|c| c.max_bytes.as_ref()),
+            defaults::REPLAY_CACHE_BYTES,
+        )?,
         upstreams,
         routes,
     })

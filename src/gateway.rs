@@ -23,9 +23,10 @@ use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
-use crate::fingerprint::fingerprint;
+use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{
     Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
     stream,
@@ -35,7 +36,7 @@ use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
 use crate::serialize::Serializer;
 use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
-use crate::wait;
+use crate::wait::{self, key_id};
 
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
@@ -103,6 +104,9 @@ impl Drop for JobGuard {
 impl Gateway {
     pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Gateway {
         let upstreams = Upstreams::new(config.upstreams.values());
+        store
+            .wakeups()
+            .attach_cache(Arc::new(ReplayCache::new(config.replay_cache_bytes)));
         Gateway {
             config,
             store,
@@ -224,6 +228,15 @@ impl Gateway {
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
 
+        // Hot replays skip the store (see cache.rs for why a hit is always a committed,
+        // unexpired answer to this very request).
+        let cache = self.store.wakeups().trusted_cache();
+        if let Some((cache, _)) = cache
+            && let Some(hit) = cache.get(&key_id(&scope, &key), &fp)
+        {
+            return Ok(hit.to_replay());
+        }
+        let cache_epoch = cache.map(|(_, epoch)| epoch);
         let mut claimed_at = Instant::now();
         let first = match self.store.claim(claim).await {
             Ok(found) => found,
@@ -264,6 +277,7 @@ impl Gateway {
                     // Our clock started before the statement that set the lease in database
                     // time, so this is never later than the real end of the lease.
                     lease_ends: claimed_at + idem.lease,
+                    fingerprint: fp,
                 };
                 let request = upstream.prepare(
                     parts,
@@ -273,7 +287,19 @@ impl Gateway {
                 );
                 job.spawn(request).await
             }
-            Claim::Completed(stored) => Ok(stored.to_replay()),
+            Claim::Completed(stored, expires_in) => {
+                let replay = stored.to_replay();
+                if let Some(epoch) = cache_epoch {
+                    self.store.wakeups().cache_fill(
+                        epoch,
+                        key_id(&scope, &key),
+                        fp,
+                        stored,
+                        claimed_at + expires_in,
+                    );
+                }
+                Ok(replay)
+            }
             Claim::Mismatch => Err(GatewayError::FingerprintMismatch),
             Claim::Held => Err(GatewayError::OutcomeUnknown),
             Claim::NotReplayable { .. } => Err(GatewayError::NotReplayable),
@@ -385,6 +411,7 @@ struct ForwardJob {
     token: LeaseToken,
     /// Local time by which the lease has surely ended; no write is attempted after it.
     lease_ends: Instant,
+    fingerprint: Fingerprint,
 }
 
 /// How many times a completion is attempted before the client is told it failed.
@@ -502,7 +529,20 @@ impl ForwardJob {
                     &idem.replay_headers,
                     bytes.clone(),
                 );
-                self.record(Outcome::Completed(stored), idem.ttl).await?;
+                let cache = self.gateway.store.wakeups().trusted_cache().map(|(_, e)| e);
+                let before = Instant::now();
+                let written = self
+                    .record(Outcome::Completed(stored.clone()), idem.ttl)
+                    .await?;
+                if written && let Some(epoch) = cache {
+                    self.gateway.store.wakeups().cache_fill(
+                        epoch,
+                        key_id(&self.scope, &self.key),
+                        self.fingerprint,
+                        stored,
+                        before + idem.ttl,
+                    );
+                }
                 tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
                 Ok(Response::from_parts(parts, full(bytes)))
             }
@@ -527,7 +567,7 @@ impl ForwardJob {
     /// Records a final outcome, retried a little while the lease lasts; the answer depends on
     /// it (guarantee 3). A retry that could end after the lease is not started: past it,
     /// another attempt may own the key.
-    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<(), GatewayError> {
+    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
         let mut last = None;
         let bound = self.gateway.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
@@ -535,7 +575,7 @@ impl ForwardJob {
                 break;
             }
             match self.finish(outcome.clone(), ttl).await {
-                Ok(()) => return Ok(()),
+                Ok(written) => return Ok(written),
                 Err(e) => {
                     tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
                     last = Some(e);
@@ -548,9 +588,9 @@ impl ForwardJob {
         ))
     }
 
-    /// One fenced write. A lost lease is logged and otherwise treated as written: our client
-    /// still gets what the upstream said.
-    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<(), StoreError> {
+    /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
+    /// our client still gets what the upstream said.
+    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
         let written = self
             .gateway
             .store
@@ -559,7 +599,7 @@ impl ForwardJob {
         if !written {
             tracing::warn!(route = %self.route, "lease lost: another attempt took this key over; not recorded");
         }
-        Ok(())
+        Ok(written)
     }
 }
 

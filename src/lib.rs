@@ -8,6 +8,7 @@
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
+//! - [`cache`]: completed responses kept in memory so hot replays skip the store.
 //! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
 //!   Postgres implementation with its SQL and migrations.
@@ -23,6 +24,7 @@
 #![forbid(unsafe_code)]
 
 pub mod admin;
+pub mod cache;
 pub mod commands;
 pub mod config;
 pub mod demo;

@@ -29,6 +29,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::cache::ReplayCache;
 use crate::fingerprint::{Fingerprint, hex, sha256};
 use crate::store::{Claim, ClaimRequest, Store, StoreError};
 
@@ -72,10 +73,16 @@ pub struct WaitStats {
 /// The per-process registry of keys that local requests wait for.
 #[derive(Default)]
 pub struct Wakeups {
+    /// The gateway's replay cache: every announcement evicts its key, and the whole cache is
+    /// dropped when announcements stop flowing (see `cache.rs`).
+    cache: std::sync::OnceLock<Arc<ReplayCache>>,
     /// Waited-for keys and how many subscriptions each has (counted under this lock, so the
     /// last one out always removes the entry).
     keys: Mutex<HashMap<String, (usize, Arc<KeyWait>)>>,
     healthy: AtomicBool,
+    /// Bumped on every change of `healthy`: a cache fill that read the store under another
+    /// epoch may have missed an eviction, and is dropped.
+    epoch: AtomicU64,
     pub stats: WaitStats,
 }
 
@@ -122,8 +129,45 @@ impl Wakeups {
         }
     }
 
+    /// Attaches the replay cache that announcements keep honest (the first one wins).
+    pub fn attach_cache(&self, cache: Arc<ReplayCache>) {
+        let _ = self.cache.set(cache);
+    }
+
+    /// The replay cache and the current epoch, if attached and trustworthy now
+    /// (announcements are flowing). Read the store after this call; fill the cache with
+    /// [`Wakeups::cache_fill`] and this epoch.
+    pub fn trusted_cache(&self) -> Option<(&ReplayCache, u64)> {
+        let epoch = self.epoch.load(Ordering::SeqCst);
+        self.cache
+            .get()
+            .filter(|c| c.enabled() && self.healthy())
+            .map(|c| (c.as_ref(), epoch))
+    }
+
+    /// Fills the cache with what the store said, unless announcements changed regime since
+    /// `epoch` (an eviction may have been missed in between).
+    pub fn cache_fill(
+        &self,
+        epoch: u64,
+        id: String,
+        fingerprint: Fingerprint,
+        response: crate::replay::StoredResponse,
+        expires: Instant,
+    ) {
+        if let Some(cache) = self.cache.get()
+            && self.healthy()
+            && self.epoch.load(Ordering::SeqCst) == epoch
+        {
+            cache.put(id, fingerprint, response, expires);
+        }
+    }
+
     /// Wakes every local waiter of the key with this id (a NOTIFY payload).
     pub fn wake(&self, id: &str) {
+        if let Some(cache) = self.cache.get() {
+            cache.invalidate(id);
+        }
         let wait = self
             .keys
             .lock()
@@ -159,6 +203,10 @@ impl Wakeups {
     pub fn set_healthy(&self, healthy: bool) {
         let was = self.healthy.swap(healthy, Ordering::SeqCst);
         if was != healthy {
+            self.epoch.fetch_add(1, Ordering::SeqCst);
+            if let Some(cache) = self.cache.get() {
+                cache.clear();
+            }
             if healthy {
                 tracing::info!("wake-ups for in-flight keys are flowing");
             } else {

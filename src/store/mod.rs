@@ -80,8 +80,9 @@ pub enum Claim {
     /// We own the key; `took_over` is true when an expired lease of another attempt was taken
     /// over (that attempt's outcome is unknown: a double execution is possible).
     Acquired { token: LeaseToken, took_over: bool },
-    /// Completed with the same fingerprint: replay this.
-    Completed(StoredResponse),
+    /// Completed with the same fingerprint: replay this. The duration is what is left of its
+    /// `ttl` in database time (a replay cache may keep it no longer).
+    Completed(StoredResponse, Duration),
     /// Another attempt with the same fingerprint holds a live lease, for this much longer.
     InFlight { lease_remaining: Duration },
     /// The key was used with a different request.

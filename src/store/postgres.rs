@@ -74,7 +74,7 @@ WITH claimed AS (
 SELECT 'claimed' AS state, c.lease_token::text AS token, c.attempts,
        NULL::bytea AS fingerprint, NULL::integer AS status,
        NULL::bytea AS headers, NULL::bytea AS body, false AS lease_expired,
-       0::bigint AS lease_remaining_ms, false AS stale
+       0::bigint AS lease_remaining_ms, false AS stale, 0::bigint AS expires_in_ms
   FROM claimed c
 UNION ALL
 SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
@@ -84,7 +84,8 @@ SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
        -- committed a newer one that the INSERT saw and this SELECT cannot. Look again.
        k.expires_at <= now()
          OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now()
-             AND k.fingerprint = $4)
+             AND k.fingerprint = $4),
+       greatest(0, floor(extract(epoch FROM k.expires_at - now()) * 1000))::bigint
   FROM idemgate_keys k
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
@@ -389,12 +390,17 @@ impl PgStore {
                 let body: Vec<u8> = row
                     .get::<_, Option<Vec<u8>>>("body")
                     .ok_or(StoreError::Corrupt("missing body"))?;
-                Claim::Completed(StoredResponse {
-                    status: status()?,
-                    headers: StoredResponse::decode_headers(&headers)
-                        .ok_or(StoreError::Corrupt("headers"))?,
-                    body: body.into(),
-                })
+                Claim::Completed(
+                    StoredResponse {
+                        status: status()?,
+                        headers: StoredResponse::decode_headers(&headers)
+                            .ok_or(StoreError::Corrupt("headers"))?,
+                        body: body.into(),
+                    },
+                    Duration::from_millis(
+                        u64::try_from(row.get::<_, i64>("expires_in_ms")).unwrap_or(0),
+                    ),
+                )
             }
             _ => return Err(StoreError::Corrupt("unknown state")),
         }))

@@ -221,7 +221,8 @@ fn existing_sql() -> String {
     format!(
         "SELECT state, fingerprint, status, headers, body,
                 state = 'in_flight' AND lease_expires_at <= {NOW},
-                max(0, coalesce(lease_expires_at, 0) - {NOW})
+                max(0, coalesce(lease_expires_at, 0) - {NOW}),
+                max(0, expires_at - {NOW})
            FROM idemgate_keys WHERE scope = ?1 AND key = ?2"
     )
 }
@@ -259,11 +260,17 @@ fn decode_existing(
                 headers.and_then(|h| StoredResponse::decode_headers(&h)),
                 body,
             ) {
-                (Some(status), Some(headers), Some(body)) => Ok(Claim::Completed(StoredResponse {
-                    status,
-                    headers,
-                    body: body.into(),
-                })),
+                (Some(status), Some(headers), Some(body)) => {
+                    let expires_in: i64 = row.get(7)?;
+                    Ok(Claim::Completed(
+                        StoredResponse {
+                            status,
+                            headers,
+                            body: body.into(),
+                        },
+                        Duration::from_millis(u64::try_from(expires_in).unwrap_or(0)),
+                    ))
+                }
                 _ => Err(StoreError::Corrupt("incomplete stored response")),
             }
         }

@@ -588,7 +588,7 @@ async fn a_finish_with_a_lost_lease_writes_nothing(b: Backend) {
         .await
         .unwrap()
     {
-        Claim::Completed(r) => assert_eq!(r, stored("new")),
+        Claim::Completed(r, _) => assert_eq!(r, stored("new")),
         other => panic!("unexpected {other:?}"),
     }
     let info = gw.store.inspect("s", "k").await.unwrap().unwrap();

@@ -10,6 +10,7 @@ mod hostile_clients;
 mod instances;
 mod lab;
 mod operator_tools;
+mod replay_cache;
 mod serialize;
 mod status_table;
 mod store_claim;

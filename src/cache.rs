@@ -1,0 +1,207 @@
+//! A bounded in-memory cache of completed responses, so hot replays skip the store.
+//!
+//! Invariants:
+//! - Only committed responses enter it: one read back by a claim, or one whose completing
+//!   write returned success. Nothing in flight, held or released is ever cached.
+//! - An entry never outlives its row: its local expiry is computed from a clock reading taken
+//!   before the store reported the row's remaining `ttl` (or before the completing write),
+//!   so it ends no later than the row does in database time.
+//! - It is trusted only while the store's wake-ups flow ([`crate::wait::Wakeups`]): every
+//!   announcement about a key (a completion, a release, an operator's delete) evicts that
+//!   key, and when announcements stop (the listener is down) the whole cache is dropped and
+//!   bypassed until they flow again. So an operator's `keys delete` on any instance is seen
+//!   by every instance's cache.
+//! - It is bounded by bytes (`replay_cache.max_bytes`); the oldest entries go first.
+//! - A hit requires the same fingerprint; anything else goes to the store, which decides
+//!   (a different fingerprint is a 422 there).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use tokio::time::Instant;
+
+use crate::fingerprint::Fingerprint;
+use crate::replay::StoredResponse;
+
+/// Per-entry overhead counted against the byte budget, besides the body and headers.
+const ENTRY_OVERHEAD: usize = 128;
+
+struct Entry {
+    fingerprint: Fingerprint,
+    response: Arc<StoredResponse>,
+    expires: Instant,
+    size: usize,
+    /// Distinguishes this entry from an older one under the same id in the eviction queue.
+    generation: u64,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<String, Entry>,
+    order: VecDeque<(String, u64)>,
+    bytes: usize,
+    generation: u64,
+}
+
+/// See the module docs.
+pub struct ReplayCache {
+    max_bytes: usize,
+    inner: Mutex<Inner>,
+    /// Replays answered from memory.
+    pub hits: std::sync::atomic::AtomicU64,
+}
+
+impl ReplayCache {
+    /// A cache of at most `max_bytes`; 0 disables it.
+    pub fn new(max_bytes: usize) -> ReplayCache {
+        ReplayCache {
+            max_bytes,
+            inner: Mutex::default(),
+            hits: Default::default(),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.max_bytes > 0
+    }
+
+    /// The stored response for key `id` if it is cached, unexpired, with this fingerprint.
+    pub fn get(&self, id: &str, fingerprint: &Fingerprint) -> Option<Arc<StoredResponse>> {
+        if !self.enabled() {
+            return None;
+        }
+        let mut inner = self.inner.lock().expect("cache lock");
+        let entry = inner.map.get(id)?;
+        if entry.expires <= Instant::now() {
+            let size = entry.size;
+            inner.map.remove(id);
+            inner.bytes -= size;
+            return None;
+        }
+        let hit = (entry.fingerprint == *fingerprint).then(|| Arc::clone(&entry.response));
+        if hit.is_some() {
+            self.hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        hit
+    }
+
+    /// Caches a committed response until `expires`.
+    pub fn put(
+        &self,
+        id: String,
+        fingerprint: Fingerprint,
+        response: StoredResponse,
+        expires: Instant,
+    ) {
+        let size = ENTRY_OVERHEAD
+            + id.len()
+            + response.body.len()
+            + response
+                .headers
+                .iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum::<usize>();
+        if !self.enabled() || size > self.max_bytes || expires <= Instant::now() {
+            return;
+        }
+        let mut inner = self.inner.lock().expect("cache lock");
+        inner.generation += 1;
+        let generation = inner.generation;
+        if let Some(old) = inner.map.remove(&id) {
+            inner.bytes -= old.size;
+        }
+        while inner.bytes + size > self.max_bytes {
+            let Some((old_id, old_gen)) = inner.order.pop_front() else {
+                break;
+            };
+            if inner
+                .map
+                .get(&old_id)
+                .is_some_and(|e| e.generation == old_gen)
+                && let Some(old) = inner.map.remove(&old_id)
+            {
+                inner.bytes -= old.size;
+            }
+        }
+        inner.order.push_back((id.clone(), generation));
+        inner.bytes += size;
+        inner.map.insert(
+            id,
+            Entry {
+                fingerprint,
+                response: Arc::new(response),
+                expires,
+                size,
+                generation,
+            },
+        );
+        // The queue may hold ids of entries already replaced or evicted; keep it bounded.
+        if inner.order.len() > 2 * inner.map.len() + 64 {
+            let Inner { map, order, .. } = &mut *inner;
+            order.retain(|(id, g)| map.get(id).is_some_and(|e| e.generation == *g));
+        }
+    }
+
+    /// Evicts one key (an announcement about it arrived).
+    pub fn invalidate(&self, id: &str) {
+        let mut inner = self.inner.lock().expect("cache lock");
+        if let Some(old) = inner.map.remove(id) {
+            inner.bytes -= old.size;
+        }
+    }
+
+    /// Drops everything (announcements stopped: deletes may be missed).
+    pub fn clear(&self) {
+        let mut inner = self.inner.lock().expect("cache lock");
+        inner.map.clear();
+        inner.order.clear();
+        inner.bytes = 0;
+    }
+
+    /// Bytes in use.
+    pub fn bytes(&self) -> usize {
+        self.inner.lock().expect("cache lock").bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn resp(n: usize) -> StoredResponse {
+        StoredResponse {
+            status: 201,
+            headers: vec![],
+            body: bytes::Bytes::from(vec![b'x'; n]),
+        }
+    }
+
+    #[tokio::test]
+    async fn hits_need_the_same_fingerprint_and_an_unexpired_entry() {
+        let c = ReplayCache::new(1 << 20);
+        let later = Instant::now() + Duration::from_secs(60);
+        c.put("k".into(), [1; 32], resp(10), later);
+        assert!(c.get("k", &[1; 32]).is_some());
+        assert!(c.get("k", &[2; 32]).is_none());
+        c.put("gone".into(), [1; 32], resp(10), Instant::now());
+        assert!(c.get("gone", &[1; 32]).is_none());
+        c.invalidate("k");
+        assert!(c.get("k", &[1; 32]).is_none());
+    }
+
+    #[tokio::test]
+    async fn the_byte_budget_evicts_the_oldest() {
+        let c = ReplayCache::new(3 * (ENTRY_OVERHEAD + 1 + 1000));
+        let later = Instant::now() + Duration::from_secs(60);
+        for k in ["a", "b", "c", "d"] {
+            c.put(k.into(), [1; 32], resp(1000), later);
+        }
+        assert!(c.get("a", &[1; 32]).is_none(), "the oldest went first");
+        assert!(c.get("d", &[1; 32]).is_some());
+        assert!(c.bytes() <= 3 * (ENTRY_OVERHEAD + 1 + 1000));
+        let disabled = ReplayCache::new(0);
+        disabled.put("a".into(), [1; 32], resp(1), later);
+        assert!(disabled.get("a", &[1; 32]).is_none());
+    }
+}

@@ -1,0 +1,80 @@
+//! The replay cache: hot replays skip the store, and nothing it serves is stale.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::support::*;
+
+fn hits(gw: &TestGateway) -> u64 {
+    gw.store
+        .wakeups()
+        .trusted_cache()
+        .map(|(c, _)| c.hits.load(Ordering::Relaxed))
+        .unwrap_or(0)
+}
+
+async fn healthy(gw: &TestGateway) {
+    wait_until("wake-ups flow", Duration::from_secs(10), || async {
+        gw.store.wakeups().healthy()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_hot_replay_is_served_from_memory_byte_for_byte() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    healthy(&gw).await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    let again = post(&c, &gw, "a", "k", "x").await;
+    assert!(again.replayed());
+    assert_eq!(again.body, first.body);
+    assert_eq!(
+        hits(&gw),
+        1,
+        "the completion filled the cache; the replay came from it"
+    );
+    // A different request under the key still goes to the store, which says 422.
+    assert_eq!(post(&c, &gw, "a", "k", "y").await.status, 422);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_delete_on_one_instance_evicts_the_key_from_every_instances_cache() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "");
+    let a = TestGateway::start(&yaml, &db).await;
+    let b = TestGateway::start(&yaml, &db).await;
+    healthy(&a).await;
+    healthy(&b).await;
+    let c = client();
+    post(&c, &a, "a", "k", "x").await;
+    assert!(
+        post(&c, &b, "a", "k", "x").await.replayed(),
+        "B read it from the store"
+    );
+    assert!(post(&c, &b, "a", "k", "x").await.replayed());
+    assert_eq!(hits(&b), 1, "and then served it from memory");
+    assert!(a.store.delete("a", "k").await.unwrap());
+    wait_until(
+        "B forwards the deleted key again",
+        Duration::from_secs(5),
+        || async { !post(&c, &b, "a", "k", "x").await.replayed() },
+    )
+    .await;
+    assert_eq!(up.executions(), 2);
+}
+
+#[tokio::test]
+async fn without_wake_ups_the_cache_is_not_used() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start_with(&config_yaml(&db, &up.url(), ""), &db, false).await;
+    let c = client();
+    post(&c, &gw, "a", "k", "x").await;
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert_eq!(hits(&gw), 0);
+    assert!(gw.store.wakeups().trusted_cache().is_none());
+}
