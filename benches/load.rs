@@ -285,6 +285,9 @@ async fn main() {
     let secs = env("LOAD_SECONDS", 3);
     let rounds = env("LOAD_ROUNDS", 3) as usize;
     let storm_n = env("LOAD_STORM", 100) as usize;
+    // For profiling: LOAD_ONLY=1 drives only scenario 1 (pass-through), etc.
+    let only = env("LOAD_ONLY", 0) as usize;
+    let on = |i: usize| only == 0 || only == i + 1;
 
     eprintln!("load: starting PostgreSQL, the upstream and idemgate...");
     let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
@@ -348,30 +351,40 @@ routes:
     let mut storms = Vec::new();
     for round in 0..rounds {
         eprintln!("load: round {}/{rounds}", round + 1);
-        results[0].push(drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
-        results[1].push(
-            drive(gw_addr, concurrency, secs, |_| {
+        if on(0) {
+            results[0].push(drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
+        }
+        if on(1) {
+            let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/plain", None, "acct-0")
             })
-            .await,
-        );
-        results[2].push(
-            drive(gw_addr, concurrency, secs, move |i| {
+            .await;
+            results[1].push(r);
+        }
+        if on(2) {
+            let r = drive(gw_addr, concurrency, secs, move |i| {
                 post(
                     "/keyed",
                     Some(format!("new-{round}-{i}")),
                     &format!("acct-{}", i % 100),
                 )
             })
-            .await,
-        );
-        results[3].push(
-            drive(gw_addr, concurrency, secs, |_| {
+            .await;
+            results[2].push(r);
+        }
+        if on(3) {
+            let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/keyed", Some("replayed-key".into()), "acct-0")
             })
-            .await,
-        );
-        results[4].push(db_limit(Arc::clone(&store), concurrency, secs, round).await);
+            .await;
+            results[3].push(r);
+        }
+        if on(4) {
+            results[4].push(db_limit(Arc::clone(&store), concurrency, secs, round).await);
+        }
+        if only != 0 {
+            continue;
+        }
 
         // The storm: STORM connections, one key, a slow upstream.
         let before = executions.load(Ordering::SeqCst);
@@ -399,6 +412,19 @@ routes:
             }
         }
         storms.push((ok, executions.load(Ordering::SeqCst) - before, t.elapsed()));
+    }
+
+    if only != 0 {
+        let s = &results[only - 1][0];
+        println!(
+            "{}: {:.0} requests/s, p50 {} us, p99 {} us, {} errors",
+            names[only - 1],
+            s.rps,
+            s.p50_us,
+            s.p99_us,
+            s.errors
+        );
+        return;
     }
 
     // Peak RSS with 1,000 concurrent keyed connections in flight against the slow upstream.

@@ -41,35 +41,42 @@ pub fn stream(body: Incoming) -> Body {
 }
 
 /// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
-const HOP_BY_HOP: [&str; 9] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
+/// Pre-parsed, so stripping them costs no header-name parsing per request.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
 ];
 
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(&name.as_str())
+    HOP_BY_HOP.contains(name)
 }
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
+    if headers.contains_key(header::CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for name in named {
+            headers.remove(name);
+        }
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -143,20 +150,7 @@ impl UpstreamClient {
         client: ClientInfo,
         forward_key: Option<(&HeaderName, &str)>,
     ) -> Request<Body> {
-        let base = &self.config.url;
-        let pq = parts
-            .uri
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
-        let prefix = base.path().trim_end_matches('/');
-        let mut uri = String::with_capacity(64 + pq.len());
-        uri.push_str(base.scheme_str().unwrap_or("http"));
-        uri.push_str("://");
-        uri.push_str(base.authority().map(|a| a.as_str()).unwrap_or(""));
-        uri.push_str(prefix);
-        uri.push_str(pq);
-        let uri: Uri = uri.parse().unwrap_or_else(|_| base.clone());
+        let uri = self.upstream_uri(&parts.uri);
 
         let host = parts.headers.get(header::HOST).cloned().or_else(|| {
             parts
@@ -168,23 +162,27 @@ impl UpstreamClient {
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
         // Several X-Forwarded-For lines are one list (RFC 9110 section 5.3): keep them all.
-        let mut xff: Vec<&str> = headers
-            .get_all("x-forwarded-for")
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .collect();
         let ip = client.addr.ip().to_string();
-        xff.push(&ip);
-        let xff = xff.join(", ");
-        if let Ok(v) = HeaderValue::from_str(&xff) {
-            headers.insert("x-forwarded-for", v);
+        let xff = if headers.contains_key(&X_FORWARDED_FOR) {
+            let mut all: Vec<&str> = headers
+                .get_all(&X_FORWARDED_FOR)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect();
+            all.push(&ip);
+            HeaderValue::from_str(&all.join(", "))
+        } else {
+            HeaderValue::from_str(&ip)
+        };
+        if let Ok(v) = xff {
+            headers.insert(X_FORWARDED_FOR, v);
         }
         headers.insert(
-            "x-forwarded-proto",
+            X_FORWARDED_PROTO,
             HeaderValue::from_static(if client.tls { "https" } else { "http" }),
         );
         if let Some(host) = host {
-            headers.insert("x-forwarded-host", host);
+            headers.insert(X_FORWARDED_HOST, host);
         }
         if let Some((name, key)) = forward_key
             && let Ok(v) = HeaderValue::from_str(key)
@@ -194,6 +192,26 @@ impl UpstreamClient {
         parts.uri = uri;
         parts.version = Version::HTTP_11;
         Request::from_parts(parts, body)
+    }
+
+    /// The upstream URI for a request: the upstream's scheme and authority, its path prefix,
+    /// then the request's path and query. Without a prefix the path and query are reused as
+    /// they are (no copy, no re-parse).
+    fn upstream_uri(&self, incoming: &Uri) -> Uri {
+        let base = &self.config.url;
+        let prefix = base.path().trim_end_matches('/');
+        let path_and_query = match incoming.path_and_query() {
+            Some(pq) if prefix.is_empty() => pq.clone(),
+            Some(pq) => format!("{prefix}{}", pq.as_str())
+                .parse()
+                .unwrap_or_else(|_| pq.clone()),
+            None => http::uri::PathAndQuery::from_static("/"),
+        };
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = base.scheme().cloned();
+        parts.authority = base.authority().cloned();
+        parts.path_and_query = Some(path_and_query);
+        Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
     }
 
     /// Sends a request and waits for the response head, bounded by the upstream's `timeout`.

@@ -2,9 +2,9 @@
 //!
 //! A request that finds its key in flight subscribes to the key in [`Wakeups`] and waits.
 //! Whoever finishes a key (completes, releases or holds it) makes the store wake its waiters:
-//! the Postgres store sends `NOTIFY` in the same statement as the write and a listener
-//! connection feeds [`Wakeups::wake`] in every instance; an embedded store wakes them
-//! directly. A woken waiter looks the key up again through [`KeyWait::lookup`], which runs
+//! the Postgres store sends `NOTIFY` in the same statement as the write, when a waiter has
+//! asked for it ([`Store::watch`] marks the row), and a listener connection feeds
+//! [`Wakeups::wake`] in every instance; an embedded store wakes them directly. A woken waiter looks the key up again through [`KeyWait::lookup`], which runs
 //! ONE claim statement for all local waiters with the same fingerprint that woke for the same
 //! event, and shares its answer: thirty local duplicates cost one query per wake-up, not
 //! thirty.
@@ -272,7 +272,15 @@ impl Subscription<'_> {
         }
         let started = Instant::now();
         self.wakeups.stats.lookups.fetch_add(1, Ordering::Relaxed);
-        let claim = store.claim(req).await?;
+        let mut claim = store.claim(req).await?;
+        // Still in flight: ask to be announced to. If the key stopped being in flight in
+        // between (the watch found no in-flight row), look again at once.
+        for _ in 0..3 {
+            if !matches!(claim, Claim::InFlight { .. }) || store.watch(req.scope, req.key).await? {
+                break;
+            }
+            claim = store.claim(req).await?;
+        }
         // Kept (a stored body is a cheap `Bytes` clone) until the last waiter leaves.
         last.insert(*req.fingerprint, (started, claim.clone()));
         Ok(Some(claim))

@@ -189,6 +189,16 @@ pub trait Store: Send + Sync + 'static {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>>;
 
+    /// Asks to be woken when the in-flight key is finished (stores that announce only to
+    /// waiters). `Ok(false)`: the key is no longer in flight; look again now.
+    fn watch<'a>(
+        &'a self,
+        _scope: &'a str,
+        _key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async { Ok(true) })
+    }
+
     /// Reads one row for operators.
     fn inspect<'a>(
         &'a self,

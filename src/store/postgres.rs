@@ -41,6 +41,11 @@ use crate::wait::{Wakeups, key_id, slot_id};
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "keys", include_str!("../../migrations/0001_keys.sql")),
     (2, "slots", include_str!("../../migrations/0002_slots.sql")),
+    (
+        3,
+        "waiters",
+        include_str!("../../migrations/0003_waiters.sql"),
+    ),
 ];
 
 /// The advisory lock key that serializes migrations (and nothing else).
@@ -62,7 +67,7 @@ WITH claimed AS (
         lease_expires_at = EXCLUDED.lease_expires_at,
         attempts = CASE WHEN k.state = 'in_flight' AND k.expires_at > now()
                         THEN k.attempts + 1 ELSE 1 END,
-        status = NULL, headers = NULL, body = NULL,
+        status = NULL, headers = NULL, body = NULL, waiters = false,
         created_at = EXCLUDED.created_at,
         completed_at = NULL,
         expires_at = EXCLUDED.expires_at
@@ -93,9 +98,10 @@ SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
 /// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
 pub const CHANNEL: &str = "idemgate_keys";
 
-// Every write that ends an attempt announces it in the same statement (one round trip);
-// NOTIFY is transactional, so waiters hear of it only once it is committed. A statement that
-// matched no row (a lost lease) returns no row and announces nothing.
+// Every write that ends an attempt announces it in the same statement (one round trip) when
+// someone waits for the key (`waiters`, set by `WATCH_SQL`); NOTIFY is transactional, so
+// waiters hear of it only once it is committed. The first column says whether a row was
+// written (0: the lease was lost, nothing written, nothing announced).
 const FINISH_SQL: &str = "
 WITH done AS (
     UPDATE idemgate_keys
@@ -103,17 +109,27 @@ WITH done AS (
            lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
            expires_at = now() + $8::bigint * interval '1 millisecond'
      WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
-    RETURNING 1
-)
-SELECT pg_notify('idemgate_keys', $9) FROM done";
+    RETURNING waiters
+),
+announced AS (SELECT pg_notify('idemgate_keys', $9) FROM done WHERE waiters)
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM announced)";
 
 const RELEASE_SQL: &str = "
 WITH done AS (
     DELETE FROM idemgate_keys
      WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
-    RETURNING 1
-)
-SELECT pg_notify('idemgate_keys', $4) FROM done";
+    RETURNING waiters
+),
+announced AS (SELECT pg_notify('idemgate_keys', $4) FROM done WHERE waiters)
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM announced)";
+
+/// A waiter asks to be told when the key is finished. The row lock orders it against the
+/// finishing write: either the finisher sees `waiters` and announces, or this statement sees
+/// the row no longer in flight (no row back) and the waiter looks again at once.
+const WATCH_SQL: &str = "
+UPDATE idemgate_keys SET waiters = true
+ WHERE scope = $1 AND key = $2 AND state = 'in_flight'
+RETURNING 1";
 
 /// Takes the lowest free slot of a scope (free: absent, or its lease ended), in one
 /// statement. No row back: every slot is busy, or a concurrent taker won the slot we picked.
@@ -438,7 +454,7 @@ impl Store for PgStore {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
                         let stmt = c.prepare_cached(RELEASE_SQL).await?;
-                        return c.query(&stmt, &[&scope, &key, &token, &id]).await;
+                        return c.query_one(&stmt, &[&scope, &key, &token, &id]).await;
                     }
                     let FinishRow {
                         state,
@@ -447,7 +463,7 @@ impl Store for PgStore {
                         body,
                     } = FinishRow::of(&outcome);
                     let stmt = c.prepare_cached(FINISH_SQL).await?;
-                    c.query(
+                    c.query_one(
                         &stmt,
                         &[
                             &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
@@ -456,7 +472,23 @@ impl Store for PgStore {
                     .await
                 })
                 .await?;
-            Ok(rows.len() == 1)
+            Ok(rows.get::<_, i64>(0) == 1)
+        })
+    }
+
+    fn watch<'a>(
+        &'a self,
+        scope: &'a str,
+        key: &'a str,
+    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            let row = self
+                .with_conn(async |c| {
+                    let stmt = c.prepare_cached(WATCH_SQL).await?;
+                    c.query_opt(&stmt, &[&scope, &key]).await
+                })
+                .await?;
+            Ok(row.is_some())
         })
     }
 

@@ -163,3 +163,43 @@ async fn thirty_duplicates_across_two_gateway_processes_execute_once() {
     );
     assert_eq!(up.executions(), 2);
 }
+
+/// A NOTIFY serializes commits cluster-wide; a key nobody waits for is finished without one.
+/// (Notifications arrive in commit order, so a sentinel sent afterwards, arriving first,
+/// proves no announcement came before it.)
+#[tokio::test]
+async fn a_key_nobody_waits_for_is_finished_without_an_announcement() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let (client_pg, mut conn) = tokio_postgres::connect(&gw.db, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Some(Ok(msg)) = std::future::poll_fn(|cx| conn.poll_message(cx)).await {
+            if let tokio_postgres::AsyncMessage::Notification(n) = msg {
+                let _ = tx.send(n.payload().to_string());
+            }
+        }
+    });
+    client_pg
+        .batch_execute("LISTEN idemgate_keys")
+        .await
+        .unwrap();
+    assert_eq!(post(&client(), &gw, "a", "lonely", "x").await.status, 201);
+    client_pg
+        .batch_execute("SELECT pg_notify('idemgate_keys', 'sentinel')")
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let got = rx.recv().await.unwrap();
+            if !got.starts_with("probe:") {
+                return got;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(first, "sentinel", "the completion was not announced");
+}
