@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
-use crate::fingerprint::{Fingerprint, fingerprint};
+use crate::fingerprint::fingerprint;
 use crate::forward::{
     Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
     stream,
@@ -278,7 +278,6 @@ impl Gateway {
                     // Our clock started before the statement that set the lease in database
                     // time, so this is never later than the real end of the lease.
                     lease_ends: claimed_at + idem.lease,
-                    fingerprint: fp,
                 };
                 let request = upstream.prepare(
                     parts,
@@ -412,7 +411,6 @@ struct ForwardJob {
     token: LeaseToken,
     /// Local time by which the lease has surely ended; no write is attempted after it.
     lease_ends: Instant,
-    fingerprint: Fingerprint,
 }
 
 /// How many times a completion is attempted before the client is told it failed.
@@ -530,20 +528,7 @@ impl ForwardJob {
                     &idem.replay_headers,
                     bytes.clone(),
                 );
-                let cache = self.gateway.store.wakeups().trusted_cache().map(|(_, e)| e);
-                let before = Instant::now();
-                let written = self
-                    .record(Outcome::Completed(stored.clone()), idem.ttl)
-                    .await?;
-                if written && let Some(epoch) = cache {
-                    self.gateway.store.wakeups().cache_fill(
-                        epoch,
-                        key_id(&self.scope, &self.key),
-                        self.fingerprint,
-                        stored,
-                        before + idem.ttl,
-                    );
-                }
+                self.record(Outcome::Completed(stored), idem.ttl).await?;
                 tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
                 Ok(Response::from_parts(parts, full(bytes)))
             }
