@@ -264,6 +264,48 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU seconds used so far by: the gateway, this process (load generator and upstream),
+/// and every `postgres` process.
+#[derive(Clone, Copy, Default)]
+struct Cpu {
+    gateway: f64,
+    bench: f64,
+    postgres: f64,
+}
+
+fn cpu_of(pid: &str, tick: f64) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // Fields after the parenthesised command name; utime and stime are 14 and 15.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
+        })
+        .unwrap_or(0.0)
+}
+
+fn cpu_now(gateway_pid: u32, tick: f64) -> Cpu {
+    let mut postgres = 0.0;
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let name = e.file_name();
+            let pid = name.to_string_lossy();
+            if pid.bytes().all(|b| b.is_ascii_digit())
+                && std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|c| c.trim() == "postgres")
+            {
+                postgres += cpu_of(&pid, tick);
+            }
+        }
+    }
+    Cpu {
+        gateway: cpu_of(&gateway_pid.to_string(), tick),
+        bench: cpu_of("self", tick),
+        postgres,
+    }
+}
+
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -348,20 +390,44 @@ routes:
         "database limit",
     ];
     let mut results: Vec<Vec<Stats>> = vec![Vec::new(); names.len()];
+    // CPU microseconds per request by component, per scenario and round.
+    let mut cpu_per_req: Vec<Vec<Cpu>> = vec![Vec::new(); names.len()];
+    let tick: f64 = std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100.0);
+    let gw_pid = gw.pid().expect("gateway running");
+    let measure = |i: usize, before: Cpu, s: &Stats, secs: u64, out: &mut Vec<Vec<Cpu>>| {
+        let after = cpu_now(gw_pid, tick);
+        let n = (s.rps * secs as f64).max(1.0);
+        out[i].push(Cpu {
+            gateway: (after.gateway - before.gateway) * 1e6 / n,
+            bench: (after.bench - before.bench) * 1e6 / n,
+            postgres: (after.postgres - before.postgres) * 1e6 / n,
+        });
+    };
     let mut storms = Vec::new();
     for round in 0..rounds {
         eprintln!("load: round {}/{rounds}", round + 1);
         if on(0) {
-            results[0].push(drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await);
+            let before = cpu_now(gw_pid, tick);
+            let r = drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await;
+            measure(0, before, &r, secs, &mut cpu_per_req);
+            results[0].push(r);
         }
         if on(1) {
+            let before = cpu_now(gw_pid, tick);
             let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/plain", None, "acct-0")
             })
             .await;
+            measure(1, before, &r, secs, &mut cpu_per_req);
             results[1].push(r);
         }
         if on(2) {
+            let before = cpu_now(gw_pid, tick);
             let r = drive(gw_addr, concurrency, secs, move |i| {
                 post(
                     "/keyed",
@@ -370,17 +436,23 @@ routes:
                 )
             })
             .await;
+            measure(2, before, &r, secs, &mut cpu_per_req);
             results[2].push(r);
         }
         if on(3) {
+            let before = cpu_now(gw_pid, tick);
             let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/keyed", Some("replayed-key".into()), "acct-0")
             })
             .await;
+            measure(3, before, &r, secs, &mut cpu_per_req);
             results[3].push(r);
         }
         if on(4) {
-            results[4].push(db_limit(Arc::clone(&store), concurrency, secs, round).await);
+            let before = cpu_now(gw_pid, tick);
+            let r = db_limit(Arc::clone(&store), concurrency, secs, round).await;
+            measure(4, before, &r, secs, &mut cpu_per_req);
+            results[4].push(r);
         }
         if only != 0 {
             continue;
@@ -464,15 +536,21 @@ routes:
         "Machine: {}. Gateway: release build, one process; PostgreSQL 15 (fsync off), upstream and load generator share the machine.\n",
         machine()
     );
-    println!("| scenario | requests/s | p50 | p99 | errors |");
-    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| scenario | requests/s | p50 | p99 | errors | CPU µs/request: gateway | load + upstream | postgres |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     for (i, name) in names.iter().enumerate() {
         let errors: u64 = results[i].iter().map(|s| s.errors).sum();
+        let cpu = |f: fn(&Cpu) -> f64| median(cpu_per_req[i].iter().map(f).collect());
         println!(
-            "| {name} | {:.0} | {:.2} ms | {:.2} ms | {errors} |",
+            "| {name} | {:.0} | {:.2} ms | {:.2} ms | {errors} | {:.0} | {:.0} | {:.0} |",
             med(i, |s| s.rps),
             med(i, |s| s.p50_us as f64) / 1000.0,
-            med(i, |s| s.p99_us as f64) / 1000.0
+            med(i, |s| s.p99_us as f64) / 1000.0,
+            cpu(|c| c.gateway),
+            cpu(|c| c.bench),
+            cpu(|c| c.postgres),
         );
     }
     let (rps_new, rps_db) = (med(2, |s| s.rps), med(4, |s| s.rps));

@@ -133,11 +133,21 @@ impl Upstreams {
     }
 }
 
-/// What the gateway knows about the client side of a request.
-#[derive(Debug, Clone, Copy)]
+/// What the gateway knows about the client side of a request (one per connection).
+#[derive(Debug, Clone)]
 pub struct ClientInfo {
     pub addr: SocketAddr,
     pub tls: bool,
+    /// The client's IP as a header value, made once per connection, not per request.
+    ip: HeaderValue,
+}
+
+impl ClientInfo {
+    pub fn new(addr: SocketAddr, tls: bool) -> ClientInfo {
+        let ip = HeaderValue::from_str(&addr.ip().to_string())
+            .expect("an IP address is a valid header value");
+        ClientInfo { addr, tls, ip }
+    }
 }
 
 impl UpstreamClient {
@@ -147,7 +157,7 @@ impl UpstreamClient {
         &self,
         mut parts: http::request::Parts,
         body: Body,
-        client: ClientInfo,
+        client: &ClientInfo,
         forward_key: Option<(&HeaderName, &str)>,
     ) -> Request<Body> {
         let uri = self.upstream_uri(&parts.uri);
@@ -162,19 +172,18 @@ impl UpstreamClient {
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
         // Several X-Forwarded-For lines are one list (RFC 9110 section 5.3): keep them all.
-        let ip = client.addr.ip().to_string();
         let xff = if headers.contains_key(&X_FORWARDED_FOR) {
             let mut all: Vec<&str> = headers
                 .get_all(&X_FORWARDED_FOR)
                 .iter()
                 .filter_map(|v| v.to_str().ok())
                 .collect();
-            all.push(&ip);
-            HeaderValue::from_str(&all.join(", "))
+            all.push(client.ip.to_str().unwrap_or_default());
+            HeaderValue::from_str(&all.join(", ")).ok()
         } else {
-            HeaderValue::from_str(&ip)
+            Some(client.ip.clone())
         };
-        if let Ok(v) = xff {
+        if let Some(v) = xff {
             headers.insert(X_FORWARDED_FOR, v);
         }
         headers.insert(

@@ -178,7 +178,7 @@ impl Gateway {
             }
             _ => {
                 let (parts, body) = req.into_parts();
-                let out = upstream.prepare(parts, stream(body), client, None);
+                let out = upstream.prepare(parts, stream(body), &client, None);
                 proxy(upstream, out).await
             }
         }
@@ -197,7 +197,7 @@ impl Gateway {
         let mut json = JsonBody::new(&body);
         let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
             // No key and none required: a plain forward.
-            let out = upstream.prepare(parts, full(body), client, None);
+            let out = upstream.prepare(parts, full(body), &client, None);
             return proxy(upstream, out).await;
         };
         let json_value = if idem.fingerprint.json_canonical {
@@ -243,7 +243,7 @@ impl Gateway {
             Ok(found) => found,
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
-                let out = upstream.prepare(parts, full(body), client, None);
+                let out = upstream.prepare(parts, full(body), &client, None);
                 let mut resp = proxy(upstream, out).await?;
                 resp.headers_mut()
                     .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
@@ -282,7 +282,7 @@ impl Gateway {
                 let request = upstream.prepare(
                     parts,
                     full(body),
-                    client,
+                    &client,
                     Some((&idem.forward_key_header, &key)),
                 );
                 job.spawn(request).await

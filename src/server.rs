@@ -64,10 +64,10 @@ pub async fn run(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let info = ClientInfo { addr, tls: false };
+        let info = ClientInfo::new(addr, false);
         let gw = Arc::clone(&gateway);
         let svc = service_fn(move |req| {
-            let gw = Arc::clone(&gw);
+            let (gw, info) = (Arc::clone(&gw), info.clone());
             async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
         });
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
