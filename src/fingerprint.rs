@@ -10,6 +10,8 @@
 //! parsers read it.
 
 use http::{HeaderMap, Method};
+use std::borrow::Cow;
+
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -68,72 +70,124 @@ pub fn fingerprint(
     }
     if cfg.json_canonical {
         let json = json.ok_or(GatewayError::BodyNotJson)?;
-        let mut buf = Vec::with_capacity(body.len());
-        if cfg.json_ignore.is_empty() {
-            write_canonical(json, &mut buf);
-        } else {
-            let mut pruned = json.clone();
-            for ptr in &cfg.json_ignore {
-                remove_pointer(&mut pruned, ptr);
-            }
-            write_canonical(&pruned, &mut buf);
-        }
-        part(&mut h, &buf);
+        // Streamed into the hash (no buffer, no copy of the document); the length goes after
+        // the bytes instead of before them, which is as unambiguous for the last part.
+        let ignore: Vec<Vec<Cow<'_, str>>> = cfg.json_ignore.iter().map(|p| tokens(p)).collect();
+        let ignore: Vec<&[Cow<'_, str>]> = ignore.iter().map(Vec::as_slice).collect();
+        let mut w = HashWriter { h: &mut h, n: 0 };
+        write_canonical(json, &mut w, &ignore);
+        let n = w.n;
+        h.update(n.to_le_bytes());
     } else {
         part(&mut h, body);
     }
     Ok(h.finalize().into())
 }
 
-/// Removes the value at an RFC 6901 pointer, if present.
-fn remove_pointer(value: &mut Value, ptr: &str) {
-    let Some((parent, last)) = ptr.rsplit_once('/') else {
-        return;
-    };
-    let last = last.replace("~1", "/").replace("~0", "~");
-    match value.pointer_mut(parent) {
-        Some(Value::Object(map)) => {
-            map.remove(&last);
-        }
-        Some(Value::Array(items)) => {
-            if let Ok(i) = last.parse::<usize>()
-                && i < items.len()
-            {
-                items.remove(i);
+/// The reference tokens of an RFC 6901 pointer (`/a/b~1c` is `a`, `b/c`).
+fn tokens(ptr: &str) -> Vec<Cow<'_, str>> {
+    ptr.split('/')
+        .skip(1)
+        .map(|t| {
+            if t.contains('~') {
+                Cow::Owned(t.replace("~1", "/").replace("~0", "~"))
+            } else {
+                Cow::Borrowed(t)
             }
-        }
-        _ => {}
+        })
+        .collect()
+}
+
+/// Feeds written bytes to a hash and counts them.
+struct HashWriter<'a> {
+    h: &'a mut Sha256,
+    n: u64,
+}
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.h.update(buf);
+        self.n += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
-/// Canonical JSON: sorted keys, compact. Independent of serde_json's map ordering feature.
-pub fn write_canonical(value: &Value, out: &mut Vec<u8>) {
+/// Canonical JSON: object members sorted by the UTF-8 bytes of their names, compact, numbers
+/// as written. `ignore` holds the remaining tokens of the pointers to leave out: a member or
+/// element whose pointer ends here is skipped; deeper ones are passed down.
+pub fn write_canonical<W: std::io::Write>(value: &Value, out: &mut W, ignore: &[&[Cow<'_, str>]]) {
+    let below = |name: &str| -> Option<Vec<&[Cow<'_, str>]>> {
+        let mut deeper = Vec::new();
+        for p in ignore {
+            if let Some((first, rest)) = p.split_first()
+                && first == name
+            {
+                if rest.is_empty() {
+                    return None; // this very member is ignored
+                }
+                deeper.push(rest);
+            }
+        }
+        Some(deeper)
+    };
+    let w = |out: &mut W, bytes: &[u8]| {
+        out.write_all(bytes).expect("writing to a hash cannot fail");
+    };
     match value {
         Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-            out.push(b'{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
+            w(out, b"{");
+            let mut first = true;
+            let mut emit = |out: &mut W, k: &String, v: &Value| {
+                let Some(deeper) = below(k) else { return };
+                if !first {
+                    w(out, b",");
                 }
-                serde_json::to_writer(&mut *out, k).expect("writing to a Vec cannot fail");
-                out.push(b':');
-                write_canonical(v, out);
+                first = false;
+                serde_json::to_writer(&mut *out, k).expect("writing to a hash cannot fail");
+                w(out, b":");
+                write_canonical(v, out, &deeper);
+            };
+            // serde_json's default map iterates in sorted order already; if a build enables
+            // `preserve_order`, sort here.
+            let sorted = map
+                .keys()
+                .zip(map.keys().skip(1))
+                .all(|(a, b)| a.as_bytes() < b.as_bytes());
+            if sorted {
+                for (k, v) in map {
+                    emit(out, k, v);
+                }
+            } else {
+                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                for (k, v) in entries {
+                    emit(out, k, v);
+                }
             }
-            out.push(b'}');
+            w(out, b"}");
         }
         Value::Array(items) => {
-            out.push(b'[');
+            w(out, b"[");
+            let mut first = true;
             for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
+                let deeper = if ignore.is_empty() {
+                    Some(Vec::new())
+                } else {
+                    below(&i.to_string())
+                };
+                let Some(deeper) = deeper else { continue };
+                if !first {
+                    w(out, b",");
                 }
-                write_canonical(v, out);
+                first = false;
+                write_canonical(v, out, &deeper);
             }
-            out.push(b']');
+            w(out, b"]");
         }
-        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to a Vec cannot fail"),
+        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to a hash cannot fail"),
     }
 }
 
@@ -168,6 +222,23 @@ mod tests {
             fp(&canon, r#"{"b":2, "a":1}"#)
         );
         assert_ne!(fp(&canon, r#"{"a":1}"#), fp(&canon, r#"{"a":2}"#));
+    }
+
+    #[test]
+    fn canonical_form_is_sorted_compact_and_skips_ignored_members() {
+        let v: Value = serde_json::from_str(
+            r#"{ "b": [1, {"y": 2, "x": 1}], "a": "s", "skip": {"deep": 1}, "keep": {"deep": 1, "d2": 2} }"#,
+        )
+        .unwrap();
+        let ign = [tokens("/skip"), tokens("/keep/deep"), tokens("/b/0")];
+        let ign: Vec<&[Cow<'_, str>]> = ign.iter().map(Vec::as_slice).collect();
+        let mut out = Vec::new();
+        write_canonical(&v, &mut out, &ign);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            r#"{"a":"s","b":[{"x":1,"y":2}],"keep":{"d2":2}}"#
+        );
+        assert_eq!(tokens("/a~1b/c~0d"), vec!["a/b", "c~d"]);
     }
 
     #[test]
