@@ -363,7 +363,7 @@ routes:
     let dir = std::env::temp_dir().join(format!("idemgate-load-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_idemgate"));
-    let gw = idemgate::process::GatewayProcess::start(exe, &dir, &yaml)
+    let gw = idemgate::process::GatewayProcess::start_logging(exe, &dir, &yaml, "warn")
         .await
         .expect("gateway");
     let gw_addr = gw.addr;

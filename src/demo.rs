@@ -85,7 +85,7 @@ impl Harness for DemoGateway {
                 SERIALIZE_WAIT,
             );
             // `serve` starts without its store and keeps trying to reach it.
-            let p = GatewayProcess::start(&self.exe, &self.dir, &yaml).await?;
+            let p = GatewayProcess::start_logging(&self.exe, &self.dir, &yaml, "info").await?;
             let url = p.url("");
             *self.cut_off.lock().await = Some(p);
             Ok(url)
@@ -203,7 +203,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool, String> {
         LEASE,
         SERIALIZE_WAIT,
     );
-    let gateway = GatewayProcess::start(&exe, &dir.0, &yaml).await?;
+    let gateway = GatewayProcess::start_logging(&exe, &dir.0, &yaml, "info").await?;
     let url = gateway.url("");
     let harness = DemoGateway {
         exe: exe.clone(),

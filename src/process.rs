@@ -16,6 +16,8 @@ pub fn free_port() -> std::io::Result<u16> {
 
 pub struct GatewayProcess {
     exe: PathBuf,
+    /// The child's `RUST_LOG`.
+    log_filter: String,
     pub addr: SocketAddr,
     /// The config file it runs with.
     pub config: PathBuf,
@@ -27,12 +29,25 @@ impl GatewayProcess {
     /// Writes `yaml` into `dir` (its `listen: 127.0.0.1:0` replaced by a free port) and
     /// starts `exe serve` on it, waiting (up to 30 s) until it accepts connections.
     pub async fn start(exe: &Path, dir: &Path, yaml: &str) -> Result<GatewayProcess, String> {
+        let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "idemgate=debug".into());
+        GatewayProcess::start_logging(exe, dir, yaml, &filter).await
+    }
+
+    /// As [`start`](Self::start), with the child's log filter (`RUST_LOG`) given: a load
+    /// test must not pay for a debug line per request.
+    pub async fn start_logging(
+        exe: &Path,
+        dir: &Path,
+        yaml: &str,
+        log_filter: &str,
+    ) -> Result<GatewayProcess, String> {
         let port = free_port().map_err(|e| format!("no free port: {e}"))?;
         let yaml = yaml.replace("listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}"));
         let config = dir.join(format!("gateway-{port}.yaml"));
         std::fs::write(&config, yaml).map_err(|e| format!("writing {}: {e}", config.display()))?;
         let mut p = GatewayProcess {
             exe: exe.to_path_buf(),
+            log_filter: log_filter.to_string(),
             addr: SocketAddr::from(([127, 0, 0, 1], port)),
             log: dir.join(format!("gateway-{port}.log")),
             config,
@@ -53,10 +68,7 @@ impl GatewayProcess {
         let child = Command::new(&self.exe)
             .args(["serve", "--config"])
             .arg(&self.config)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "idemgate=debug".into()),
-            )
+            .env("RUST_LOG", &self.log_filter)
             .stdin(Stdio::null())
             .stdout(open_log()?)
             .stderr(open_log()?)
