@@ -367,6 +367,31 @@ routes:
         .await
         .expect("gateway");
     let gw_addr = gw.addr;
+    // LOAD_PIN=1: the gateway gets the last core to itself; the load generator, the upstream
+    // and PostgreSQL share the others (the usual way to keep a load generator from stealing
+    // the system under test's CPU). Without it, everything shares every core.
+    let pinned = env("LOAD_PIN", 0) == 1;
+    let machine = machine(); // before pinning narrows what this process sees
+    if pinned {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        let last = cores - 1;
+        let rest = if last == 0 { "0".to_string() } else { format!("0-{}", last - 1) };
+        let pin = |pid: String, cpus: &str| {
+            let ok = std::process::Command::new("taskset")
+                .args(["-a", "-p", "-c", cpus, &pid])
+                .output()
+                .is_ok_and(|o| o.status.success());
+            assert!(ok, "taskset failed for {pid}");
+        };
+        pin(gw.pid().unwrap().to_string(), &last.to_string());
+        pin(std::process::id().to_string(), &rest);
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let pid = e.file_name().to_string_lossy().to_string();
+            if std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres") {
+                pin(pid, &rest);
+            }
+        }
+    }
     let config = idemgate::config::Config::from_yaml(&yaml).unwrap();
     let idemgate::config::StoreConfig::Postgres(pgc) = &config.store else {
         unreachable!()
@@ -533,8 +558,12 @@ routes:
         rounds
     );
     println!(
-        "Machine: {}. Gateway: release build, one process; PostgreSQL 15 (fsync off), upstream and load generator share the machine.\n",
-        machine()
+        "Machine: {machine}. Gateway: release build, one process; PostgreSQL 15 (fsync off). {}\n",
+        if pinned {
+            "Pinned: the gateway alone on the last core; load generator, upstream and PostgreSQL on the others."
+        } else {
+            "Shared: load generator, upstream, gateway and PostgreSQL share every core."
+        }
     );
     println!(
         "| scenario | requests/s | p50 | p99 | errors | CPU µs/request: gateway | load + upstream | postgres |"
