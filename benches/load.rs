@@ -373,9 +373,15 @@ routes:
     let pinned = env("LOAD_PIN", 0) == 1;
     let machine = machine(); // before pinning narrows what this process sees
     if pinned {
-        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2);
         let last = cores - 1;
-        let rest = if last == 0 { "0".to_string() } else { format!("0-{}", last - 1) };
+        let rest = if last == 0 {
+            "0".to_string()
+        } else {
+            format!("0-{}", last - 1)
+        };
         let pin = |pid: String, cpus: &str| {
             let ok = std::process::Command::new("taskset")
                 .args(["-a", "-p", "-c", cpus, &pid])
@@ -387,7 +393,9 @@ routes:
         pin(std::process::id().to_string(), &rest);
         for e in std::fs::read_dir("/proc").unwrap().flatten() {
             let pid = e.file_name().to_string_lossy().to_string();
-            if std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres") {
+            if std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|c| c.trim() == "postgres")
+            {
                 pin(pid, &rest);
             }
         }

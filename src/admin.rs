@@ -1,12 +1,17 @@
-//! The admin listener (`admin.listen`): liveness, readiness and the key API (SPEC section 6).
+//! The admin listener (`admin.listen`): metrics, liveness, readiness and the key API (SPEC
+//! section 6).
 //!
+//! - `GET /metrics`: Prometheus text (see `metrics.rs`).
 //! - `GET /healthz`: 200 while the process serves.
 //! - `GET /readyz`: 200 when the store answers and its migrations are applied, else 503.
 //! - `GET /v1/keys?scope=S&key=K`: the row as JSON (404 when absent).
 //! - `DELETE /v1/keys?scope=S&key=K`: deletes the row whatever its state (releases a held or
 //!   stuck key), 204, or 404 when absent.
 //!
-//! Bind it to a private address: it has no authentication until `admin.token` lands.
+//! With `admin.token` set, the key API requires `Authorization: Bearer <token>` (401
+//! without it, compared in constant time); metrics and health stay open, so bind the
+//! listener to a private address. The token is read from the configuration in force, so a
+//! reload can rotate it.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -21,10 +26,11 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 
 use crate::forward::{Body, full};
-use crate::store::{KeyInfo, Store};
+use crate::gateway::Gateway;
+use crate::store::KeyInfo;
 
 /// Serves the admin API until `shutdown` resolves.
-pub async fn run(listener: TcpListener, store: Arc<dyn Store>, shutdown: impl Future<Output = ()>) {
+pub async fn run(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl Future<Output = ()>) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -39,10 +45,10 @@ pub async fn run(listener: TcpListener, store: Arc<dyn Store>, shutdown: impl Fu
             },
             () = &mut shutdown => return,
         };
-        let store = Arc::clone(&store);
+        let gateway = Arc::clone(&gateway);
         let svc = service_fn(move |req| {
-            let store = Arc::clone(&store);
-            async move { Ok::<_, Infallible>(handle(req, store.as_ref()).await) }
+            let gateway = Arc::clone(&gateway);
+            async move { Ok::<_, Infallible>(handle(req, &gateway).await) }
         });
         let conn = builder
             .serve_connection(TokioIo::new(stream), svc)
@@ -81,9 +87,38 @@ pub fn key_json(info: &KeyInfo) -> serde_json::Value {
     })
 }
 
-async fn handle(req: Request<Incoming>, store: &dyn Store) -> Response<Body> {
+/// Whether the request carries the bearer token (or none is configured).
+fn authorized(req: &Request<Incoming>, token: Option<&str>) -> bool {
+    let Some(token) = token else { return true };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    // Constant time in the token's length: no early exit on the first differing byte.
+    given.len() == token.len()
+        && given
+            .bytes()
+            .zip(token.bytes())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+}
+
+async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
+    let store = gateway.store().as_ref();
     let path = req.uri().path();
     match (req.method(), path) {
+        (&Method::GET, "/metrics") => {
+            let mut r = Response::new(full(Bytes::from(gateway.render_metrics())));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8"
+                    .parse()
+                    .expect("static"),
+            );
+            r
+        }
         (&Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
         (&Method::GET, "/readyz") => match store.ready().await {
             Ok(()) => json(StatusCode::OK, serde_json::json!({"status": "ready"})),
@@ -93,6 +128,17 @@ async fn handle(req: Request<Incoming>, store: &dyn Store) -> Response<Body> {
             ),
         },
         (m, "/v1/keys") if m == Method::GET || m == Method::DELETE => {
+            let config = gateway.config();
+            let token = config.admin.as_ref().and_then(|a| a.token.as_deref());
+            if !authorized(&req, token) {
+                let mut r = json(
+                    StatusCode::UNAUTHORIZED,
+                    serde_json::json!({"error": "a bearer token is required"}),
+                );
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, "Bearer".parse().expect("static"));
+                return r;
+            }
             let query = req.uri().query().unwrap_or("");
             let (Some(scope), Some(key)) = (query_param(query, "scope"), query_param(query, "key"))
             else {

@@ -48,9 +48,10 @@ pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
     }
 }
 
-/// `idemgate serve`: migrate, then serve until SIGTERM/SIGINT.
-pub async fn serve(path: &Path) -> Result<(), CommandError> {
-    let config = Arc::new(Config::load(path)?);
+/// `idemgate serve`: migrate, then serve until SIGTERM/SIGINT; SIGHUP reloads `path`.
+/// `config` is `path` already loaded (the caller set up logging from it).
+pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
+    let config = Arc::new(config);
     let store = open_store(&config)?;
     // Migrate before serving when the store answers; when it does not, serve anyway (keyed
     // requests get 503 store-unavailable, /readyz says not ready) and keep trying, so a
@@ -68,12 +69,12 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
         None => None,
     };
     tracing::info!(listen = %listener.local_addr()?, routes = config.routes.len(), "idemgate serving");
+    let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(admin) = admin {
         tracing::info!(listen = %admin.local_addr()?, "admin API serving");
-        let store = Arc::clone(&store);
         let mut rx = stop_rx.clone();
-        tokio::spawn(crate::admin::run(admin, store, async move {
+        tokio::spawn(crate::admin::run(admin, Arc::clone(&gateway), async move {
             let _ = rx.wait_for(|s| *s).await;
         }));
     }
@@ -82,7 +83,7 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
         config.gc.clone(),
         stop_rx.clone(),
     ));
-    let gateway = Arc::new(Gateway::new(Arc::clone(&config), store));
+    tokio::spawn(reload_on_sighup(path.to_path_buf(), Arc::clone(&gateway)));
     crate::server::run(
         listener,
         gateway,
@@ -92,6 +93,32 @@ pub async fn serve(path: &Path) -> Result<(), CommandError> {
     .await;
     let _ = stop_tx.send(true);
     Ok(())
+}
+
+/// On every SIGHUP: load and validate the file again; swap it in for new requests, or keep
+/// the old configuration and say why.
+async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; reload needs a restart");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        match Config::load(&path) {
+            Err(e) => {
+                tracing::error!(error = %e, "reload refused; the old configuration stays in force")
+            }
+            Ok(config) => {
+                let routes = config.routes.len();
+                let ignored = gateway.reload(config);
+                if ignored.is_empty() {
+                    tracing::info!(routes, "configuration reloaded");
+                } else {
+                    tracing::warn!(routes, needs_restart = ?ignored, "configuration reloaded; these changes apply after a restart");
+                }
+            }
+        }
+    }
 }
 
 /// Retries migrations with backoff (100 ms doubling to 5 s) until they succeed.

@@ -11,8 +11,8 @@
 //! - A storable first answer is committed before it is sent (guarantee 3). If it cannot be
 //!   committed, the client gets 503 and the key stays in flight until its lease ends.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -32,6 +32,7 @@ use crate::forward::{
     stream,
 };
 use crate::key::{JsonBody, KeyScope, extract};
+use crate::metrics::{Metrics, outcome};
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
 use crate::serialize::Serializer;
@@ -50,11 +51,41 @@ fn in_flight_error() -> GatewayError {
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {
-    config: Arc<Config>,
+    /// The routes and upstream clients in force; a reload swaps the whole snapshot, and each
+    /// request (and its forward job) keeps the one it started with.
+    routing: RwLock<Arc<Routing>>,
     store: Arc<dyn Store>,
-    upstreams: Upstreams,
     jobs: Arc<Jobs>,
     serializer: Serializer,
+    metrics: Arc<Metrics>,
+}
+
+/// One configuration and the upstream clients built from it.
+pub struct Routing {
+    pub config: Arc<Config>,
+    upstreams: Upstreams,
+}
+
+impl Routing {
+    fn new(config: Arc<Config>) -> Routing {
+        let upstreams = Upstreams::new(config.upstreams.values());
+        Routing { config, upstreams }
+    }
+
+    fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
+        let route = self.config.routes.iter().find(|r| r.name == name)?;
+        let idem = route.idempotency.as_ref()?;
+        let upstream = self.upstreams.get(&route.upstream)?;
+        Some((route, idem, upstream))
+    }
+}
+
+/// What the access log line and the request counter say about one request.
+struct RequestLog {
+    route: Option<String>,
+    outcome: &'static str,
+    key_id: Option<String>,
+    upstream: Option<Duration>,
 }
 
 /// Counts forward jobs still running (including those whose client left), so that shutdown
@@ -63,6 +94,7 @@ pub struct Gateway {
 pub struct Jobs {
     running: AtomicUsize,
     idle: Notify,
+    gauge: prometheus_client::metrics::gauge::Gauge,
 }
 
 /// Held by a running job; the last one out wakes whoever waits for idleness.
@@ -71,6 +103,7 @@ struct JobGuard(Arc<Jobs>);
 impl Jobs {
     fn start(self: &Arc<Self>) -> JobGuard {
         self.running.fetch_add(1, Ordering::SeqCst);
+        self.gauge.inc();
         JobGuard(Arc::clone(self))
     }
 
@@ -95,6 +128,7 @@ impl Jobs {
 
 impl Drop for JobGuard {
     fn drop(&mut self) {
+        self.0.gauge.dec();
         if self.0.running.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.idle.notify_waiters();
         }
@@ -103,26 +137,84 @@ impl Drop for JobGuard {
 
 impl Gateway {
     pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Gateway {
-        let upstreams = Upstreams::new(config.upstreams.values());
-        store
-            .wakeups()
-            .attach_cache(Arc::new(ReplayCache::new(config.replay_cache_bytes)));
+        let cache = Arc::new(ReplayCache::new(config.replay_cache_bytes));
+        store.wakeups().attach_cache(Arc::clone(&cache));
+        let metrics = Arc::new(Metrics::new(store.metrics()));
+        let jobs = Arc::new(Jobs {
+            gauge: metrics.forwards_in_flight.clone(),
+            ..Default::default()
+        });
         Gateway {
-            config,
+            routing: RwLock::new(Arc::new(Routing::new(config))),
             store,
-            upstreams,
-            jobs: Arc::default(),
+            jobs,
             serializer: Serializer::default(),
+            metrics,
         }
+    }
+
+    /// The routing snapshot in force now.
+    pub fn routing(&self) -> Arc<Routing> {
+        Arc::clone(&self.routing.read().expect("routing lock"))
+    }
+
+    /// The configuration in force now.
+    pub fn config(&self) -> Arc<Config> {
+        Arc::clone(&self.routing().config)
+    }
+
+    /// Swaps in a new, already validated configuration for new requests; requests in flight
+    /// finish with the one they started with. Returns the changed settings that only a
+    /// restart applies (listeners, store, server limits, the replay cache size): those keep
+    /// their old values.
+    pub fn reload(&self, config: Config) -> Vec<&'static str> {
+        let old = self.config();
+        let mut restart_needed = Vec::new();
+        if old.listen != config.listen {
+            restart_needed.push("listen");
+        }
+        if format!("{:?}", old.admin.as_ref().map(|a| a.listen))
+            != format!("{:?}", config.admin.as_ref().map(|a| a.listen))
+        {
+            restart_needed.push("admin.listen");
+        }
+        if format!("{:?}", old.server) != format!("{:?}", config.server) {
+            restart_needed.push("server");
+        }
+        if format!("{:?}", old.store) != format!("{:?}", config.store) {
+            restart_needed.push("store");
+        }
+        if format!("{:?}", old.gc) != format!("{:?}", config.gc) {
+            restart_needed.push("store.gc");
+        }
+        if old.replay_cache_bytes != config.replay_cache_bytes {
+            restart_needed.push("replay_cache");
+        }
+        *self.routing.write().expect("routing lock") = Arc::new(Routing::new(Arc::new(config)));
+        restart_needed
+    }
+
+    /// The process's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Refreshes the gauges read at scrape time and renders every metric.
+    pub fn render_metrics(&self) -> String {
+        self.store.observe_pool();
+        let wakeups = self.store.wakeups();
+        self.metrics
+            .wakeups_healthy
+            .set(i64::from(wakeups.healthy()));
+        self.metrics
+            .replay_cache_bytes
+            .set(wakeups.cache_bytes() as i64);
+        self.metrics.encode()
     }
 
     /// The forward jobs in flight.
     pub fn jobs(&self) -> &Jobs {
         &self.jobs
-    }
-
-    pub fn config(&self) -> &Config {
-        &self.config
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {
@@ -135,62 +227,98 @@ impl Gateway {
         req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<Body> {
-        // Kept for the log line of a failure; both clones are cheap (no allocation).
+        // Kept for the log line; both clones are cheap (no allocation).
         let method = req.method().clone();
         let uri = req.uri().clone();
-        match self.route_request(req, client).await {
-            Ok(resp) => resp,
+        let started = Instant::now();
+        let routing = self.routing();
+        let mut log = RequestLog {
+            route: None,
+            outcome: outcome::PROXIED,
+            key_id: None,
+            upstream: None,
+        };
+        let (resp, error) = match self.route_request(&routing, req, client, &mut log).await {
+            Ok(resp) => (resp, None),
             Err(err) => {
-                let problem = err.problem();
-                if problem.status.is_server_error() {
-                    tracing::warn!(%method, path = uri.path(), status = problem.status.as_u16(), error = %err, "request failed");
-                } else {
-                    tracing::debug!(%method, path = uri.path(), status = problem.status.as_u16(), error = %err, "request refused");
-                }
+                log.outcome = err.outcome();
                 let close = err.closes_connection();
-                let mut resp = problem.into_response();
+                let mut resp = err.problem().into_response();
                 if close {
                     resp.headers_mut()
                         .insert(header::CONNECTION, HeaderValue::from_static("close"));
                 }
-                resp
+                (resp, Some(err))
             }
+        };
+        let route = log.route.as_deref().unwrap_or("");
+        self.metrics.request(route, log.outcome);
+        if let Some(took) = log.upstream {
+            self.metrics.upstream(route, took);
         }
+        // One line per request: never bodies, raw keys, scopes or credentials (the key is
+        // identified by its hash, the same id the wake-ups use).
+        let status = resp.status().as_u16();
+        let key = log.key_id.as_deref().unwrap_or("");
+        let upstream_ms = log.upstream.map_or(-1.0, |d| d.as_secs_f64() * 1000.0);
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+        match &error {
+            Some(err) if resp.status().is_server_error() => tracing::warn!(
+                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
+                status, upstream_ms, elapsed_ms, key, error = %err, "request"
+            ),
+            Some(err) => tracing::info!(
+                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
+                status, upstream_ms, elapsed_ms, key, error = %err, "request"
+            ),
+            None => tracing::info!(
+                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
+                status, upstream_ms, elapsed_ms, key, "request"
+            ),
+        }
+        resp
     }
 
     async fn route_request(
         self: &Arc<Self>,
+        routing: &Arc<Routing>,
         req: Request<Incoming>,
         client: ClientInfo,
+        log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
         let path = req.uri().path();
-        let route = self
+        let route = routing
             .config
             .route_for(req.method(), path)
             .ok_or(GatewayError::NoRoute)?;
-        let upstream = self
+        log.route = Some(route.name.clone());
+        let upstream = routing
             .upstreams
             .get(&route.upstream)
             .expect("validated config: every route names an upstream");
         match &route.idempotency {
             Some(idem) if idem.methods.contains(req.method()) => {
-                self.keyed(route, idem, upstream, req, client).await
+                self.keyed(routing, route, idem, upstream, req, client, log)
+                    .await
             }
             _ => {
                 let (parts, body) = req.into_parts();
                 let out = upstream.prepare(parts, stream(body), &client, None);
-                proxy(upstream, out).await
+                proxy(upstream, out, log).await
             }
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // one request's parts, named; a struct would only rename them
     async fn keyed(
         self: &Arc<Self>,
+        routing: &Arc<Routing>,
         route: &Route,
         idem: &Idempotency,
         upstream: &UpstreamClient,
         req: Request<Incoming>,
         client: ClientInfo,
+        log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
         let (parts, body) = req.into_parts();
         let body = read_body(&parts.headers, body, idem.max_request_body).await?;
@@ -198,7 +326,7 @@ impl Gateway {
         let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
             // No key and none required: a plain forward.
             let out = upstream.prepare(parts, full(body), &client, None);
-            return proxy(upstream, out).await;
+            return proxy(upstream, out, log).await;
         };
         let json_value = if idem.fingerprint.json_canonical {
             Some(json.get()?)
@@ -229,12 +357,15 @@ impl Gateway {
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
 
+        let id = key_id(&scope, &key);
+        log.key_id = Some(id.clone());
         // Hot replays skip the store (see cache.rs for why a hit is always a committed,
         // unexpired answer to this very request).
         let cache = self.store.wakeups().trusted_cache();
         if let Some((cache, _)) = cache
-            && let Some(hit) = cache.get(&key_id(&scope, &key), &fp)
+            && let Some(hit) = cache.get(&id, &fp)
         {
+            log.outcome = outcome::REPLAYED;
             return Ok(hit.to_replay());
         }
         let cache_epoch = cache.map(|(_, epoch)| epoch);
@@ -244,13 +375,15 @@ impl Gateway {
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
-                let mut resp = proxy(upstream, out).await?;
+                let mut resp = proxy(upstream, out, log).await?;
+                log.outcome = outcome::BYPASSED;
                 resp.headers_mut()
                     .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
                 return Ok(resp);
             }
             Err(e) => return Err(e.into()),
         };
+        let mut waited = false;
         let found = match first {
             Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
                 return Err(in_flight_error());
@@ -260,6 +393,7 @@ impl Gateway {
                     .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
                     .await?;
                 claimed_at = at;
+                waited = true;
                 found
             }
             other => other,
@@ -267,10 +401,13 @@ impl Gateway {
         match found {
             Claim::Acquired { token, took_over } => {
                 if took_over {
-                    tracing::warn!(route = %route.name, "took over an expired lease: the earlier attempt's outcome is unknown");
+                    self.metrics.lease(&route.name, "taken_over");
+                    tracing::warn!(route = %route.name, key = %id, "took over an expired lease: the earlier attempt's outcome is unknown");
                 }
+                log.outcome = outcome::FORWARDED;
                 let job = ForwardJob {
                     gateway: Arc::clone(self),
+                    routing: Arc::clone(routing),
                     route: route.name.clone(),
                     scope: scope.clone(),
                     key: key.clone(),
@@ -285,18 +422,21 @@ impl Gateway {
                     &client,
                     Some((&idem.forward_key_header, &key)),
                 );
-                job.spawn(request).await
+                let (result, upstream_took) = job.spawn(request).await;
+                log.upstream = upstream_took;
+                result
             }
             Claim::Completed(stored, expires_in) => {
+                log.outcome = if waited {
+                    outcome::COALESCED
+                } else {
+                    outcome::REPLAYED
+                };
                 let replay = stored.to_replay();
                 if let Some(epoch) = cache_epoch {
-                    self.store.wakeups().cache_fill(
-                        epoch,
-                        key_id(&scope, &key),
-                        fp,
-                        stored,
-                        claimed_at + expires_in,
-                    );
+                    self.store
+                        .wakeups()
+                        .cache_fill(epoch, id, fp, stored, claimed_at + expires_in);
                 }
                 Ok(replay)
             }
@@ -353,13 +493,6 @@ impl Gateway {
             since = Instant::now();
         }
     }
-
-    fn route_config(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
-        let route = self.config.routes.iter().find(|r| r.name == name)?;
-        let idem = route.idempotency.as_ref()?;
-        let upstream = self.upstreams.get(&route.upstream)?;
-        Some((route, idem, upstream))
-    }
 }
 
 /// Reads a keyed request's body up to `limit`: by `Content-Length` up front, then by count.
@@ -389,8 +522,12 @@ async fn read_body(
 async fn proxy(
     upstream: &UpstreamClient,
     req: Request<Body>,
+    log: &mut RequestLog,
 ) -> Result<Response<Body>, GatewayError> {
-    match upstream.send(req).await {
+    let started = Instant::now();
+    let sent = upstream.send(req).await;
+    log.upstream = Some(started.elapsed());
+    match sent {
         Ok(resp) => {
             let (mut parts, body) = resp.into_parts();
             clean_response_headers(&mut parts.headers);
@@ -405,6 +542,8 @@ async fn proxy(
 /// A claimed request on its way to the upstream, detached from the client connection.
 struct ForwardJob {
     gateway: Arc<Gateway>,
+    /// The configuration the request started with (a reload does not change it midway).
+    routing: Arc<Routing>,
     route: String,
     scope: String,
     key: String,
@@ -419,26 +558,38 @@ const FINISH_ATTEMPTS: u32 = 3;
 impl ForwardJob {
     /// Runs the job in its own task and waits for its answer. If the client goes away, the
     /// task goes on and still records the outcome.
-    async fn spawn(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
+    /// Also returns how long the upstream took, when it was called.
+    async fn spawn(
+        self,
+        request: Request<Body>,
+    ) -> (Result<Response<Body>, GatewayError>, Option<Duration>) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let guard = self.gateway.jobs.start();
         tokio::spawn(async move {
-            let result = self.run(request).await;
+            let mut took = None;
+            let result = self.run(request, &mut took).await;
             drop(guard);
-            let _ = tx.send(result);
+            let _ = tx.send((result, took));
         });
         rx.await.unwrap_or_else(|_| {
-            Err(GatewayError::StoreAfterForward(StoreError::Db(
-                "forward task ended without an answer".into(),
-            )))
+            (
+                Err(GatewayError::StoreAfterForward(StoreError::Db(
+                    "forward task ended without an answer".into(),
+                ))),
+                None,
+            )
         })
     }
 
     /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
-    async fn run(self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
-        let (_, idem, _) = self
-            .gateway
-            .route_config(&self.route)
+    async fn run(
+        self,
+        request: Request<Body>,
+        took: &mut Option<Duration>,
+    ) -> Result<Response<Body>, GatewayError> {
+        let routing = Arc::clone(&self.routing);
+        let (_, idem, _) = routing
+            .route(&self.route)
             .expect("the route of a claimed request exists");
         let store = self.gateway.store.as_ref();
         let held = match idem.serialize {
@@ -464,7 +615,7 @@ impl ForwardJob {
                 }
             }
         };
-        let result = self.forward(request).await;
+        let result = self.forward(request, took).await;
         if let Some(held) = held {
             held.release(store).await;
         }
@@ -472,10 +623,14 @@ impl ForwardJob {
     }
 
     /// Forwards once and records the outcome.
-    async fn forward(&self, request: Request<Body>) -> Result<Response<Body>, GatewayError> {
+    async fn forward(
+        &self,
+        request: Request<Body>,
+        took: &mut Option<Duration>,
+    ) -> Result<Response<Body>, GatewayError> {
         let (_, idem, upstream) = self
-            .gateway
-            .route_config(&self.route)
+            .routing
+            .route(&self.route)
             .expect("the route of a claimed request exists");
         let started = Instant::now();
         let limit = idem.max_stored_response;
@@ -492,6 +647,7 @@ impl ForwardJob {
             Ok(r) => r,
             Err(_) => Err(UpstreamError::Timeout),
         };
+        *took = Some(started.elapsed());
         match result {
             Err(UpstreamError::Connect(e)) => {
                 self.finish(Outcome::Release, idem.ttl).await.ok();
@@ -555,7 +711,7 @@ impl ForwardJob {
     /// another attempt may own the key.
     async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
         let mut last = None;
-        let bound = self.gateway.config.store.record_bound();
+        let bound = self.routing.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
             if attempt > 0 && Instant::now() + bound >= self.lease_ends {
                 break;
@@ -583,7 +739,8 @@ impl ForwardJob {
             .finish(&self.scope, &self.key, &self.token, outcome, ttl)
             .await?;
         if !written {
-            tracing::warn!(route = %self.route, "lease lost: another attempt took this key over; not recorded");
+            self.gateway.metrics.lease(&self.route, "lost");
+            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
         }
         Ok(written)
     }

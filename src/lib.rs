@@ -15,6 +15,7 @@
 //! - [`forward`]: upstream clients, header hygiene, timeouts.
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
+//! - [`metrics`]: the Prometheus metrics and the outcome names they count.
 //! - [`admin`]: health, readiness and the key API on `admin.listen`.
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
@@ -33,6 +34,7 @@ pub mod forward;
 pub mod gateway;
 pub mod key;
 pub mod lab;
+pub mod metrics;
 pub mod problem;
 pub mod process;
 pub mod replay;

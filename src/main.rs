@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use idemgate::commands::{self, CommandError};
+use idemgate::config::{Config, LogFormat};
 
 #[derive(Parser)]
 #[command(
@@ -77,18 +78,36 @@ enum KeysCommand {
     },
 }
 
-fn init_logging() {
+fn init_logging(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    // `serve` logs as its config says; a bad config exits 64 before any port is bound.
+    let serve_config = match &cli.command {
+        Command::Serve { config } => match Config::load(config) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("idemgate: {e}");
+                return ExitCode::from(64);
+            }
+        },
+        _ => None,
+    };
+    init_logging(
+        serve_config
+            .as_ref()
+            .map_or(LogFormat::Text, |c| c.log_format),
+    );
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {
@@ -98,7 +117,9 @@ fn main() -> ExitCode {
     };
     let result: Result<(), CommandError> = runtime.block_on(async {
         match cli.command {
-            Command::Serve { config } => commands::serve(&config).await,
+            Command::Serve { config } => {
+                commands::serve(&config, serve_config.expect("loaded above")).await
+            }
             Command::Check { config } => {
                 print!("{}", commands::check(&config)?);
                 Ok(())

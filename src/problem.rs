@@ -55,6 +55,29 @@ pub enum GatewayError {
 }
 
 impl GatewayError {
+    /// The outcome name this error counts under in `idemgate_requests_total`.
+    pub fn outcome(&self) -> &'static str {
+        use crate::metrics::outcome as o;
+        match self {
+            GatewayError::NoRoute => o::NO_ROUTE,
+            GatewayError::KeyMissing => o::KEY_MISSING,
+            GatewayError::KeyInvalid(_) => o::KEY_INVALID,
+            GatewayError::ScopeMissing { .. } | GatewayError::ScopeInvalid(_) => o::SCOPE_MISSING,
+            GatewayError::BodyNotJson => o::BODY_NOT_JSON,
+            GatewayError::BodyTooLarge { .. } => o::BODY_TOO_LARGE,
+            GatewayError::BodyRead(_) => o::BODY_UNREADABLE,
+            GatewayError::FingerprintMismatch => o::MISMATCH,
+            GatewayError::InFlight { .. } => o::IN_FLIGHT_REJECTED,
+            GatewayError::Store(_) | GatewayError::StoreAfterForward(_) => o::STORE_UNAVAILABLE,
+            GatewayError::UpstreamUnavailable(_) | GatewayError::UpstreamFailed(_) => {
+                o::UPSTREAM_UNAVAILABLE
+            }
+            GatewayError::UpstreamTimeout => o::UPSTREAM_TIMEOUT,
+            GatewayError::OutcomeUnknown => o::OUTCOME_UNKNOWN,
+            GatewayError::NotReplayable => o::NOT_REPLAYABLE,
+        }
+    }
+
     /// Whether the connection must close after this answer: the request body was not read
     /// (or cannot be trusted), so nothing after it on the connection can be parsed safely.
     pub fn closes_connection(&self) -> bool {

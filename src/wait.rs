@@ -129,6 +129,11 @@ impl Wakeups {
         }
     }
 
+    /// Bytes held by the replay cache (0 without one).
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.get().map_or(0, |c| c.bytes())
+    }
+
     /// Attaches the replay cache that announcements keep honest (the first one wins).
     pub fn attach_cache(&self, cache: Arc<ReplayCache>) {
         let _ = self.cache.set(cache);

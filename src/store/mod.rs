@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::fingerprint::Fingerprint;
+use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
 use crate::wait::Wakeups;
 
@@ -235,6 +236,12 @@ pub trait Store: Send + Sync + 'static {
     /// Starts what runs beside the requests (the Postgres wake-up listener). Must be called
     /// inside a Tokio runtime; without it, waiters poll.
     fn start_background(&self) {}
+
+    /// The store's own metrics (operation latency, pool wait, pool state).
+    fn metrics(&self) -> &StoreMetrics;
+
+    /// Refreshes gauges read at scrape time (pool state).
+    fn observe_pool(&self) {}
 
     /// Where local waiters for in-flight keys are woken when a key is finished.
     fn wakeups(&self) -> &Arc<Wakeups>;

@@ -34,6 +34,7 @@ use super::{
 };
 use crate::config::PostgresConfig;
 use crate::fingerprint::hex;
+use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
 use crate::wait::{Wakeups, key_id, slot_id};
 
@@ -187,6 +188,7 @@ pub struct PgStore {
     statement_timeout: Duration,
     wakeups: Arc<Wakeups>,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    metrics: StoreMetrics,
 }
 
 impl Drop for PgStore {
@@ -252,6 +254,7 @@ impl PgStore {
             statement_timeout: cfg.statement_timeout,
             wakeups: Arc::default(),
             listener: std::sync::Mutex::new(None),
+            metrics: StoreMetrics::default(),
         })
     }
 
@@ -275,7 +278,12 @@ impl PgStore {
 
     async fn conn(&self) -> Result<Object, StoreError> {
         use deadpool_postgres::PoolError;
-        match tokio::time::timeout(self.acquire_timeout, self.pool.get()).await {
+        let started = std::time::Instant::now();
+        let got = tokio::time::timeout(self.acquire_timeout, self.pool.get()).await;
+        self.metrics
+            .pool_wait
+            .observe(started.elapsed().as_secs_f64());
+        match got {
             Err(_) => Err(StoreError::AcquireTimeout),
             Ok(Ok(obj)) => Ok(obj),
             Ok(Err(PoolError::Timeout(_))) => Err(StoreError::AcquireTimeout),
@@ -287,6 +295,17 @@ impl PgStore {
     /// Runs `f` on a pooled connection within the statement bound. On a client-side timeout
     /// the connection is detached (its statement may still be running), never reused.
     async fn with_conn<T>(
+        &self,
+        op: &'static str,
+        f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<T, StoreError> {
+        let started = std::time::Instant::now();
+        let result = self.with_conn_inner(f).await;
+        self.metrics.observe(op, started.elapsed());
+        result
+    }
+
+    async fn with_conn_inner<T>(
         &self,
         f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
@@ -349,7 +368,7 @@ impl PgStore {
         let ttl_ms = req.ttl.as_millis() as i64;
         let fp: &[u8] = req.fingerprint;
         let row = self
-            .with_conn(async |c| {
+            .with_conn("claim", async |c| {
                 let stmt = c.prepare_cached(CLAIM_SQL).await?;
                 c.query_opt(
                     &stmt,
@@ -450,7 +469,7 @@ impl Store for PgStore {
             let ttl_ms = ttl.as_millis() as i64;
             let id = key_id(scope, key);
             let rows = self
-                .with_conn(async |c| {
+                .with_conn("finish", async |c| {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
                         let stmt = c.prepare_cached(RELEASE_SQL).await?;
@@ -483,7 +502,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let row = self
-                .with_conn(async |c| {
+                .with_conn("watch", async |c| {
                     let stmt = c.prepare_cached(WATCH_SQL).await?;
                     c.query_opt(&stmt, &[&scope, &key]).await
                 })
@@ -499,7 +518,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>> {
         Box::pin(async move {
             let row = self
-                .with_conn(async |c| {
+                .with_conn("inspect", async |c| {
                     let stmt = c.prepare_cached(INSPECT_SQL).await?;
                     c.query_opt(&stmt, &[&scope, &key]).await
                 })
@@ -530,7 +549,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let n = self
-                .with_conn(async |c| {
+                .with_conn("delete", async |c| {
                     let stmt = c.prepare_cached(DELETE_SQL).await?;
                     c.query(&stmt, &[&scope, &key, &key_id(scope, key)]).await
                 })
@@ -594,7 +613,7 @@ impl Store for PgStore {
             let max = i32::try_from(max_in_flight).unwrap_or(i32::MAX);
             let lease_ms = lease.as_millis() as i64;
             let row = self
-                .with_conn(async |c| {
+                .with_conn("acquire_slot", async |c| {
                     let stmt = c.prepare_cached(SLOT_ACQUIRE_SQL).await?;
                     c.query_opt(&stmt, &[&scope, &max, &lease_ms]).await
                 })
@@ -611,7 +630,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let id = slot_id(&slot.scope);
             let rows = self
-                .with_conn(async |c| {
+                .with_conn("release_slot", async |c| {
                     let stmt = c.prepare_cached(SLOT_RELEASE_SQL).await?;
                     c.query(&stmt, &[&slot.scope, &slot.slot, &slot.token, &id])
                         .await
@@ -623,6 +642,24 @@ impl Store for PgStore {
 
     fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
         Box::pin(PgStore::migrate(self))
+    }
+
+    fn metrics(&self) -> &StoreMetrics {
+        &self.metrics
+    }
+
+    fn observe_pool(&self) {
+        let status = self.pool.status();
+        let gauge = |state: &'static str, v: usize| {
+            self.metrics
+                .pool
+                .get_or_create(&crate::metrics::StateLabel { state })
+                .set(v as i64);
+        };
+        gauge("max", status.max_size);
+        gauge("open", status.size);
+        gauge("idle", status.available);
+        gauge("waiting", status.waiting);
     }
 
     fn start_background(&self) {
@@ -637,7 +674,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
             let v: Option<i32> = self
-                .with_conn(async |c| {
+                .with_conn("ready", async |c| {
                     let row = c
                         .query_one("SELECT max(version) FROM idemgate_migrations", &[])
                         .await?;

@@ -30,6 +30,7 @@ use super::{
 };
 use crate::config::SqliteConfig;
 use crate::fingerprint::hex;
+use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
 use crate::wait::{Wakeups, key_id, slot_id};
 
@@ -55,6 +56,7 @@ pub struct SqliteStore {
     path: PathBuf,
     /// Held (locked) for the store's life: one instance per file.
     _lock: File,
+    metrics: StoreMetrics,
 }
 
 fn sqlite_error(e: rusqlite::Error) -> StoreError {
@@ -121,6 +123,7 @@ impl SqliteStore {
             wakeups,
             path: cfg.path.clone(),
             _lock: lock,
+            metrics: StoreMetrics::default(),
         })
     }
 
@@ -130,7 +133,18 @@ impl SqliteStore {
     }
 
     /// Runs `f` on the store thread in one IMMEDIATE transaction, bounded in time.
-    async fn call<T, F>(&self, f: F) -> Result<T, StoreError>
+    async fn call<T, F>(&self, op: &'static str, f: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
+    {
+        let started = Instant::now();
+        let result = self.call_inner(f).await;
+        self.metrics.observe(op, started.elapsed());
+        result
+    }
+
+    async fn call_inner<T, F>(&self, f: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
@@ -289,7 +303,7 @@ impl Store for SqliteStore {
         let (lease, ttl) = (req.lease.as_millis() as i64, req.ttl.as_millis() as i64);
         let hold = req.hold_expired_leases;
         Box::pin(async move {
-            self.call(move |tx| {
+            self.call("claim", move |tx| {
                 let claimed = tx
                     .prepare_cached(&claim_sql())?
                     .query_row(params![scope, key, route, &fp[..], lease, ttl, hold], |r| {
@@ -321,7 +335,7 @@ impl Store for SqliteStore {
         let ttl = ttl.as_millis() as i64;
         Box::pin(async move {
             let n = self
-                .call(move |tx| {
+                .call("finish", move |tx| {
                     let fence =
                         "scope = ?1 AND key = ?2 AND lease_token = ?3 AND state = 'in_flight'";
                     if let Outcome::Release = &outcome {
@@ -360,7 +374,7 @@ impl Store for SqliteStore {
     ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>> {
         let (s, k) = (scope.to_string(), key.to_string());
         Box::pin(async move {
-            self.call(move |tx| {
+            self.call("inspect", move |tx| {
                 let ts = |col: &str| {
                     format!("strftime('%Y-%m-%d %H:%M:%f+00', {col} / 1000.0, 'unixepoch')")
                 };
@@ -408,7 +422,7 @@ impl Store for SqliteStore {
         let (s, k) = (scope.to_string(), key.to_string());
         Box::pin(async move {
             let n = self
-                .call(move |tx| {
+                .call("delete", move |tx| {
                     tx.execute(
                         "DELETE FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
                         params![s, k],
@@ -429,7 +443,7 @@ impl Store for SqliteStore {
             loop {
                 // One short transaction per batch, so claims are not held up for long.
                 let n = self
-                    .call(move |tx| {
+                    .call("gc", move |tx| {
                         tx.execute(
                             &format!(
                                 "DELETE FROM idemgate_keys WHERE (scope, key) IN
@@ -457,7 +471,7 @@ impl Store for SqliteStore {
         let s = scope.to_string();
         let lease = lease.as_millis() as i64;
         Box::pin(async move {
-            self.call(move |tx| {
+            self.call("acquire_slot", move |tx| {
                 let free: Option<i64> = tx
                     .query_row(
                         &format!(
@@ -498,7 +512,7 @@ impl Store for SqliteStore {
         let (s, n, t) = (slot.scope.clone(), slot.slot, slot.token.clone());
         Box::pin(async move {
             let done = self
-                .call(move |tx| {
+                .call("release_slot", move |tx| {
                     tx.execute(
                         "DELETE FROM idemgate_slots WHERE scope = ?1 AND slot = ?2 AND token = ?3",
                         params![s, n, t],
@@ -511,7 +525,11 @@ impl Store for SqliteStore {
     }
 
     fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
-        Box::pin(self.call(migrate))
+        Box::pin(self.call("migrate", migrate))
+    }
+
+    fn metrics(&self) -> &StoreMetrics {
+        &self.metrics
     }
 
     fn wakeups(&self) -> &Arc<Wakeups> {
@@ -522,7 +540,7 @@ impl Store for SqliteStore {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
             let v: i64 = self
-                .call(|tx| {
+                .call("ready", |tx| {
                     tx.query_row(
                         "SELECT coalesce(max(version), 0) FROM idemgate_migrations",
                         [],

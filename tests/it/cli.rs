@@ -16,6 +16,7 @@ fn check_accepts_the_example_and_prints_its_routes() {
         .args(["check", "--config"])
         .arg(example())
         .env("DATABASE_URL", "postgres://u@localhost/db")
+        .env("IDEMGATE_ADMIN_TOKEN", "an-example-token-for-tests")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -50,6 +51,7 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
             .args([verb, "--config"])
             .arg(&bad)
             .env("DATABASE_URL", "postgres://u@localhost/db")
+            .env("IDEMGATE_ADMIN_TOKEN", "an-example-token-for-tests")
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -65,6 +67,7 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
         .args(["check", "--config"])
         .arg(example())
         .env_remove("DATABASE_URL")
+        .env("IDEMGATE_ADMIN_TOKEN", "an-example-token-for-tests")
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(64));

@@ -10,6 +10,7 @@ fn every_example_config_loads() {
             let text = std::fs::read_to_string(&path).unwrap();
             let env = |name: &str| match name {
                 "DATABASE_URL" => Some("postgres://idemgate@localhost/idemgate".to_string()),
+                "IDEMGATE_ADMIN_TOKEN" => Some("an-example-token-for-tests".to_string()),
                 _ => None,
             };
             idemgate::config::Config::from_yaml_with_env(&text, &env)

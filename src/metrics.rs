@@ -1,0 +1,226 @@
+//! Prometheus metrics (`GET /metrics` on `admin.listen`), with prometheus-client.
+//!
+//! Every name starts with `idemgate_`; counters get `_total` from the library. Label values
+//! are bounded: route names (from the config) and fixed outcome, event and operation names;
+//! never keys, scopes or anything a client sends.
+//!
+//! - `idemgate_requests_total{route, outcome}`: every request, by what happened to it (see
+//!   [`outcome`] for the names).
+//! - `idemgate_leases_total{route, event}`: `taken_over` (an expired lease was taken over:
+//!   a possible double) and `lost` (our write found the lease taken; not recorded).
+//! - `idemgate_upstream_latency_seconds{route}`: from sending the request to the whole
+//!   response (keyed) or its head (pass-through).
+//! - `idemgate_store_latency_seconds{op}` and `idemgate_store_pool_wait_seconds`: recorded
+//!   by the store.
+//! - `idemgate_forwards_in_flight`, `idemgate_store_pool_connections{state}`,
+//!   `idemgate_replay_cache_bytes`, `idemgate_wakeups_healthy`: gauges read at scrape time.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// The outcome names of `idemgate_requests_total`.
+pub mod outcome {
+    /// Proxied on a route or method without idempotency (or keyless, not required).
+    pub const PROXIED: &str = "proxied";
+    /// Claimed and forwarded; the answer was stored (or released for a retryable status).
+    pub const FORWARDED: &str = "forwarded";
+    /// Answered from a stored response.
+    pub const REPLAYED: &str = "replayed";
+    /// Waited for an in-flight duplicate, then answered from its stored response.
+    pub const COALESCED: &str = "coalesced";
+    pub const MISMATCH: &str = "mismatch";
+    pub const IN_FLIGHT_REJECTED: &str = "in_flight_rejected";
+    pub const KEY_MISSING: &str = "key_missing";
+    pub const KEY_INVALID: &str = "key_invalid";
+    pub const SCOPE_MISSING: &str = "scope_missing";
+    pub const BODY_NOT_JSON: &str = "body_not_json";
+    pub const BODY_TOO_LARGE: &str = "body_too_large";
+    pub const BODY_UNREADABLE: &str = "body_unreadable";
+    pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+    /// Forwarded without idempotency because the store was down (`pass_through`).
+    pub const BYPASSED: &str = "bypassed";
+    pub const UPSTREAM_UNAVAILABLE: &str = "upstream_unavailable";
+    pub const UPSTREAM_TIMEOUT: &str = "upstream_timeout";
+    pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
+    pub const NOT_REPLAYABLE: &str = "not_replayable";
+    pub const NO_ROUTE: &str = "no_route";
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteOutcome {
+    pub route: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteEvent {
+    pub route: String,
+    pub event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabel {
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OpLabel {
+    pub op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StateLabel {
+    pub state: &'static str,
+}
+
+fn latency_buckets() -> Histogram {
+    // 100 µs to about 52 s.
+    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+}
+
+/// Store-side metrics, shared (cheap clones) between the store that records them and the
+/// registry that exposes them.
+#[derive(Clone)]
+pub struct StoreMetrics {
+    pub latency: Family<OpLabel, Histogram>,
+    pub pool_wait: Histogram,
+    pub pool: Family<StateLabel, Gauge>,
+}
+
+impl Default for StoreMetrics {
+    fn default() -> Self {
+        StoreMetrics {
+            latency: Family::new_with_constructor(latency_buckets),
+            pool_wait: latency_buckets(),
+            pool: Family::default(),
+        }
+    }
+}
+
+impl StoreMetrics {
+    pub fn observe(&self, op: &'static str, took: Duration) {
+        self.latency
+            .get_or_create(&OpLabel { op })
+            .observe(took.as_secs_f64());
+    }
+}
+
+/// Every metric of a gateway process.
+pub struct Metrics {
+    registry: Mutex<Registry>,
+    pub requests: Family<RouteOutcome, Counter>,
+    pub leases: Family<RouteEvent, Counter>,
+    pub upstream_latency: Family<RouteLabel, Histogram>,
+    pub forwards_in_flight: Gauge,
+    pub replay_cache_bytes: Gauge,
+    pub wakeups_healthy: Gauge,
+}
+
+impl Metrics {
+    pub fn new(store: &StoreMetrics) -> Metrics {
+        let mut registry = Registry::with_prefix("idemgate");
+        let requests = Family::<RouteOutcome, Counter>::default();
+        let leases = Family::<RouteEvent, Counter>::default();
+        let upstream_latency =
+            Family::<RouteLabel, Histogram>::new_with_constructor(latency_buckets);
+        let forwards_in_flight = Gauge::default();
+        let replay_cache_bytes = Gauge::default();
+        let wakeups_healthy = Gauge::default();
+        registry.register(
+            "requests",
+            "Requests by route and outcome",
+            requests.clone(),
+        );
+        registry.register(
+            "leases",
+            "Lease events by route: taken_over (possible double), lost (not recorded)",
+            leases.clone(),
+        );
+        registry.register(
+            "upstream_latency_seconds",
+            "Upstream latency by route",
+            upstream_latency.clone(),
+        );
+        registry.register(
+            "store_latency_seconds",
+            "Store operation latency by operation",
+            store.latency.clone(),
+        );
+        registry.register(
+            "store_pool_wait_seconds",
+            "Time spent waiting for a pooled store connection",
+            store.pool_wait.clone(),
+        );
+        registry.register(
+            "store_pool_connections",
+            "Pooled store connections by state",
+            store.pool.clone(),
+        );
+        registry.register(
+            "forwards_in_flight",
+            "Keyed forwards in flight",
+            forwards_in_flight.clone(),
+        );
+        registry.register(
+            "replay_cache_bytes",
+            "Bytes held by the replay cache",
+            replay_cache_bytes.clone(),
+        );
+        registry.register(
+            "wakeups_healthy",
+            "1 while wake-ups for in-flight keys flow (LISTEN/NOTIFY or in process)",
+            wakeups_healthy.clone(),
+        );
+        Metrics {
+            registry: Mutex::new(registry),
+            requests,
+            leases,
+            upstream_latency,
+            forwards_in_flight,
+            replay_cache_bytes,
+            wakeups_healthy,
+        }
+    }
+
+    pub fn request(&self, route: &str, outcome: &'static str) {
+        self.requests
+            .get_or_create(&RouteOutcome {
+                route: route.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn lease(&self, route: &str, event: &'static str) {
+        self.leases
+            .get_or_create(&RouteEvent {
+                route: route.to_string(),
+                event,
+            })
+            .inc();
+    }
+
+    pub fn upstream(&self, route: &str, took: Duration) {
+        self.upstream_latency
+            .get_or_create(&RouteLabel {
+                route: route.to_string(),
+            })
+            .observe(took.as_secs_f64());
+    }
+
+    /// The Prometheus text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        let registry = self.registry.lock().expect("registry lock");
+        prometheus_client::encoding::text::encode(&mut out, &registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}
