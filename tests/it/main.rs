@@ -9,6 +9,7 @@ mod flow;
 mod hostile_clients;
 mod instances;
 mod lab;
+mod operations;
 mod operator_tools;
 mod replay_cache;
 mod serialize;

@@ -85,6 +85,9 @@ pub struct TestGateway {
     pg: Option<Arc<PgStore>>,
     /// The database URL (Postgres) or file (embedded store).
     pub db: String,
+    pub gateway: Arc<Gateway>,
+    /// The admin API (metrics, health, keys), on its own ephemeral port.
+    pub admin: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -143,10 +146,17 @@ impl TestGateway {
             .expect("bind gateway");
         let addr = listener.local_addr().unwrap();
         let gateway = Arc::new(Gateway::new(Arc::clone(&config), store.clone()));
+        let admin_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
+        let admin = admin_listener.local_addr().unwrap();
+        tokio::spawn(idemgate::admin::run(
+            admin_listener,
+            Arc::clone(&gateway),
+            std::future::pending::<()>(),
+        ));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(idemgate::server::run(
             listener,
-            gateway,
+            Arc::clone(&gateway),
             config.server.clone(),
             async move {
                 let _ = rx.await;
@@ -157,6 +167,8 @@ impl TestGateway {
             store,
             pg,
             db: db.to_string(),
+            gateway,
+            admin,
             stop: Some(tx),
             task: Some(task),
         }

@@ -1,0 +1,276 @@
+//! Running it: metrics, health, the admin key API and its token, reload, access logs.
+
+use std::time::Duration;
+
+use http::Method;
+
+use crate::support::process::GatewayProcess;
+use crate::support::*;
+
+async fn admin_get(gw: &TestGateway, path: &str, token: Option<&str>) -> Reply {
+    admin_call(gw, Method::GET, path, token).await
+}
+
+async fn admin_call(gw: &TestGateway, method: Method, path: &str, token: Option<&str>) -> Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    send(
+        &client(),
+        method,
+        &format!("http://{}{path}", gw.admin),
+        &headers,
+        "",
+    )
+    .await
+}
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric line starting with {line_start} in:\n{text}"))
+}
+
+#[tokio::test]
+async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    post(&c, &gw, "secret-account", "secret-key-1", "x").await;
+    post(&c, &gw, "secret-account", "secret-key-1", "x").await;
+    post(&c, &gw, "secret-account", "secret-key-1", "other").await;
+    send(&c, Method::GET, &gw.url("/plain"), &[], "").await;
+    let m = admin_get(&gw, "/metrics", None).await;
+    assert_eq!(m.status, 200);
+    let text = String::from_utf8_lossy(&m.body).to_string();
+    let requests = |route: &str, outcome: &str| {
+        metric(
+            &text,
+            &format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(requests("payments", "forwarded"), 1.0);
+    assert_eq!(requests("payments", "replayed"), 1.0);
+    assert_eq!(requests("payments", "mismatch"), 1.0);
+    assert_eq!(requests("rest", "proxied"), 1.0);
+    assert!(
+        metric(
+            &text,
+            "idemgate_upstream_latency_seconds_count{route=\"payments\"}"
+        ) >= 1.0
+    );
+    assert!(metric(&text, "idemgate_store_latency_seconds_count{op=\"claim\"}") >= 3.0);
+    assert!(metric(&text, "idemgate_store_pool_connections{state=\"max\"}") >= 1.0);
+    assert_eq!(metric(&text, "idemgate_forwards_in_flight"), 0.0);
+    assert!(
+        !text.contains("secret"),
+        "keys and scopes never become label values"
+    );
+}
+
+#[tokio::test]
+async fn health_is_always_ok_and_readiness_follows_the_store() {
+    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
+        .await
+        .unwrap();
+    let db = cluster.new_database().await;
+    let up = Upstream::start().await;
+    let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
+    assert_eq!(admin_get(&gw, "/healthz", None).await.status, 200);
+    assert_eq!(admin_get(&gw, "/readyz", None).await.status, 200);
+    let cluster = tokio::task::spawn_blocking(move || {
+        cluster.pg_stop_immediate();
+        cluster
+    })
+    .await
+    .unwrap();
+    let r = admin_get(&gw, "/readyz", None).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(admin_get(&gw, "/healthz", None).await.status, 200);
+    let _cluster = tokio::task::spawn_blocking(move || {
+        cluster.pg_start();
+        cluster
+    })
+    .await
+    .unwrap();
+    wait_until("ready again", Duration::from_secs(20), || async {
+        admin_get(&gw, "/readyz", None).await.status == 200
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn the_key_api_needs_the_bearer_token_when_one_is_set() {
+    let up = Upstream::start().await;
+    let token = "a-long-admin-token-1234";
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
+        format!("{y}admin: {{ listen: 127.0.0.1:0, token: {token} }}\n")
+    })
+    .await;
+    let c = client();
+    post(&c, &gw, "acct 1", "k/1", "x").await;
+    let q = "/v1/keys?scope=acct%201&key=k%2F1";
+    let none = admin_get(&gw, q, None).await;
+    assert_eq!(none.status, 401);
+    assert_eq!(none.headers["www-authenticate"], "Bearer");
+    assert_eq!(
+        admin_get(&gw, q, Some("a-long-admin-token-1235"))
+            .await
+            .status,
+        401
+    );
+    let shown = admin_get(&gw, q, Some(token)).await;
+    assert_eq!(shown.status, 200);
+    assert_eq!(shown.json()["state"], "completed");
+    assert_eq!(admin_call(&gw, Method::DELETE, q, None).await.status, 401);
+    assert_eq!(
+        row_state(&gw, "acct 1", "k/1").await.as_deref(),
+        Some("completed"),
+        "not deleted"
+    );
+    assert_eq!(
+        admin_call(&gw, Method::DELETE, q, Some(token)).await.status,
+        204
+    );
+    assert_eq!(row_state(&gw, "acct 1", "k/1").await, None);
+    assert_eq!(admin_get(&gw, q, Some(token)).await.status, 404);
+    // Metrics and health need no token.
+    assert_eq!(admin_get(&gw, "/metrics", None).await.status, 200);
+    assert_eq!(admin_get(&gw, "/healthz", None).await.status, 200);
+}
+
+#[tokio::test]
+async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares_in_flight_requests()
+ {
+    let a = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(800),
+        ..Default::default()
+    })
+    .await;
+    let b = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let mut gw = GatewayProcess::start(&config_yaml(&db, &a.url(), "")).await;
+    let c = client();
+    // In flight on upstream A when the reload lands.
+    let slow = in_flight(&gw.url("/pay"), &a, "acct", "during-reload", "x").await;
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    let to_b = text.replace(&a.url(), &b.url());
+    std::fs::write(&gw.config, &to_b).unwrap();
+    hup(&gw);
+    let url = gw.url("/pay");
+    wait_until(
+        "new requests go to upstream B",
+        Duration::from_secs(10),
+        || async {
+            post_to(&c, &url, "acct", &format!("probe-{}", b.executions()), "x")
+                .await
+                .status
+                == 201
+                && b.executions() > 0
+        },
+    )
+    .await;
+    let r = slow.await.unwrap();
+    assert_eq!(
+        r.status, 201,
+        "the in-flight request finished on upstream A"
+    );
+    assert_eq!(a.executions(), 1);
+    assert!(
+        post_to(&c, &url, "acct", "during-reload", "x")
+            .await
+            .replayed(),
+        "and was stored"
+    );
+
+    // A bad file is refused; the running configuration stays.
+    std::fs::write(
+        &gw.config,
+        to_b.replace("timeout: 5s", "timeout: 5 seconds"),
+    )
+    .unwrap();
+    hup(&gw);
+    wait_until("the refusal is logged", Duration::from_secs(10), || async {
+        gw.log_text().contains("reload refused")
+    })
+    .await;
+    assert!(
+        gw.log_text().contains("upstreams.app.timeout"),
+        "the log names the YAML path"
+    );
+    let before = b.executions();
+    assert_eq!(
+        post_to(&c, &url, "acct", "after-bad-file", "x")
+            .await
+            .status,
+        201
+    );
+    assert_eq!(
+        b.executions(),
+        before + 1,
+        "still served by the last good configuration"
+    );
+    gw.kill();
+}
+
+fn hup(gw: &GatewayProcess) {
+    let pid = gw.pid().expect("running");
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+#[tokio::test]
+async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        "{}log: {{ format: json }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let body = r#"{"card":"4111-secret-body"}"#;
+    send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", "raw-key-secret"),
+            ("x-account-id", "acct-secret"),
+            ("authorization", "Bearer credential-secret"),
+        ],
+        body,
+    )
+    .await;
+    wait_until(
+        "the access line is written",
+        Duration::from_secs(10),
+        || async { gw.log_text().contains("\"outcome\":\"forwarded\"") },
+    )
+    .await;
+    let log = gw.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("\"outcome\":\"forwarded\""))
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+    assert_eq!(v["route"], "payments");
+    assert_eq!(v["status"], 201);
+    assert_eq!(
+        v["key"].as_str().unwrap().len(),
+        32,
+        "the key appears only as its hash"
+    );
+    assert!(v["upstream_ms"].as_f64().unwrap() >= 0.0);
+    assert!(
+        !log.contains("secret"),
+        "no body, raw key, scope or credential in the log:\n{log}"
+    );
+    gw.kill();
+}
