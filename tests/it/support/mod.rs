@@ -85,7 +85,6 @@ pub struct TestGateway {
     pg: Option<Arc<PgStore>>,
     /// The database URL (Postgres) or file (embedded store).
     pub db: String,
-    pub gateway: Arc<Gateway>,
     /// The admin API (metrics, health, keys), on its own ephemeral port.
     pub admin: SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
@@ -167,7 +166,6 @@ impl TestGateway {
             store,
             pg,
             db: db.to_string(),
-            gateway,
             admin,
             stop: Some(tx),
             task: Some(task),
