@@ -84,7 +84,7 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
         stop_rx.clone(),
     ));
     tokio::spawn(reload_on_sighup(path.to_path_buf(), Arc::clone(&gateway)));
-    crate::server::run(
+    let served = crate::server::run(
         listener,
         gateway,
         config.server.clone(),
@@ -92,7 +92,7 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     )
     .await;
     let _ = stop_tx.send(true);
-    Ok(())
+    served.map_err(CommandError::Other)
 }
 
 /// On every SIGHUP: load and validate the file again; swap it in for new requests, or keep

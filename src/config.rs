@@ -95,7 +95,20 @@ struct RawServer {
     max_header_bytes: Option<RawSize>,
     header_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
-    tls: Option<Value>,
+    tls: Option<RawServerTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServerTls {
+    cert: String,
+    key: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCaOnly {
+    ca: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -144,7 +157,7 @@ struct RawUpstream {
     url: String,
     connect_timeout: Option<String>,
     timeout: Option<String>,
-    tls: Option<Value>,
+    tls: Option<RawCaOnly>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -282,6 +295,25 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
     pub shutdown_grace: Duration,
+    /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
+    pub tls: Option<TlsFiles>,
+}
+
+/// A certificate chain and its private key, as PEM files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub cert: std::path::PathBuf,
+    pub key: std::path::PathBuf,
+}
+
+/// How the store's connections use TLS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PgTlsMode {
+    Disable,
+    /// Encrypted; the server's certificate is not checked (libpq's `sslmode=require`).
+    Require,
+    /// Encrypted; chain and host name checked (libpq's `sslmode=verify-full`).
+    VerifyFull,
 }
 
 /// Collection of expired rows: one instance at a time, in small batches.
@@ -326,6 +358,9 @@ pub struct PostgresConfig {
     pub connect_timeout: Duration,
     /// Server-side `statement_timeout`, also enforced on the client side.
     pub statement_timeout: Duration,
+    pub tls: PgTlsMode,
+    /// CA file for `verify-full` (the system bundle without one).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -337,6 +372,8 @@ pub struct UpstreamConfig {
     /// Bound on the whole exchange: sending the request and reading the response head (and,
     /// for keyed requests, the body that is stored).
     pub timeout: Duration,
+    /// CA file that verifies an `https` upstream (the system bundle without one).
+    pub tls_ca: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone)]
@@ -680,13 +717,6 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 // Validation.
 // ---------------------------------------------------------------------------------------------
 
-fn not_supported(path: &str) -> ConfigError {
-    invalid(
-        path,
-        "not supported yet by this version of idemgate; remove the field",
-    )
-}
-
 fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Duration, ConfigError> {
     match v {
         None => Ok(default),
@@ -765,9 +795,19 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         }
     };
 
-    if raw.server.tls.is_some() {
-        return Err(not_supported("server.tls"));
-    }
+    let server_tls = match raw.server.tls {
+        None => None,
+        Some(t) => {
+            let files = TlsFiles {
+                cert: t.cert.into(),
+                key: t.key.into(),
+            };
+            // Load it now, so `check` and a reload catch a bad file, naming it.
+            crate::tls::server_config(&files.cert, &files.key)
+                .map_err(|m| invalid("server.tls", m))?;
+            Some(files)
+        }
+    };
     let max_connections = raw
         .server
         .max_connections
@@ -796,6 +836,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             raw.server.shutdown_grace.as_ref(),
             defaults::SHUTDOWN_GRACE,
         )?,
+        tls: server_tls,
     };
 
     let store = match (raw.store.postgres, raw.store.sqlite) {
@@ -831,23 +872,34 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             })
         }
         (Some(pg), None) => {
-            if let Some(tls) = &pg.tls {
-                match tls.mode.as_str() {
-                    "disable" => {}
-                    "require" | "verify-full" => {
-                        return Err(not_supported("store.postgres.tls.mode"));
+            let (tls_mode, tls_ca) = match &pg.tls {
+                None => (PgTlsMode::Disable, None),
+                Some(tls) => {
+                    let mode = match tls.mode.as_str() {
+                        "disable" => PgTlsMode::Disable,
+                        "require" => PgTlsMode::Require,
+                        "verify-full" => PgTlsMode::VerifyFull,
+                        other => {
+                            return Err(invalid(
+                                "store.postgres.tls.mode",
+                                format!("'{other}' is not one of disable, require, verify-full"),
+                            ));
+                        }
+                    };
+                    let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
+                    if let Some(ca) = &ca {
+                        if mode != PgTlsMode::VerifyFull {
+                            return Err(invalid(
+                                "store.postgres.tls.ca",
+                                "only 'verify-full' checks certificates against a CA",
+                            ));
+                        }
+                        crate::tls::roots(Some(ca))
+                            .map_err(|m| invalid("store.postgres.tls.ca", m))?;
                     }
-                    other => {
-                        return Err(invalid(
-                            "store.postgres.tls.mode",
-                            format!("'{other}' is not one of disable, require, verify-full"),
-                        ));
-                    }
+                    (mode, ca)
                 }
-                if tls.ca.is_some() {
-                    return Err(not_supported("store.postgres.tls.ca"));
-                }
-            }
+            };
             if pg.url.parse::<tokio_postgres::Config>().is_err() {
                 // Never echo the URL: it may hold a password.
                 return Err(invalid(
@@ -877,6 +929,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                     pg.statement_timeout.as_ref(),
                     defaults::STATEMENT_TIMEOUT,
                 )?,
+                tls: tls_mode,
+                tls_ca,
             })
         }
     };
@@ -897,23 +951,34 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     let mut upstreams = BTreeMap::new();
     for (name, up) in raw.upstreams {
         let base = format!("upstreams.{name}");
-        if up.tls.is_some() {
-            return Err(not_supported(&format!("{base}.tls")));
-        }
         let url: http::Uri = up
             .url
             .parse()
             .map_err(|_| invalid(format!("{base}.url"), format!("'{}' is not a URL", up.url)))?;
-        match url.scheme_str() {
-            Some("http") => {}
-            Some("https") => return Err(not_supported(&format!("{base}.url (https)"))),
+        let https = match url.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
             _ => {
                 return Err(invalid(
                     format!("{base}.url"),
-                    "must start with http://, e.g. http://127.0.0.1:9000",
+                    "must start with http:// or https://, e.g. http://127.0.0.1:9000",
                 ));
             }
-        }
+        };
+        let tls_ca = match up.tls.and_then(|t| t.ca) {
+            None => None,
+            Some(ca) => {
+                if !https {
+                    return Err(invalid(
+                        format!("{base}.tls.ca"),
+                        "only an https:// upstream uses a CA",
+                    ));
+                }
+                let ca = std::path::PathBuf::from(ca);
+                crate::tls::roots(Some(&ca)).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+                Some(ca)
+            }
+        };
         if url.authority().is_none() {
             return Err(invalid(format!("{base}.url"), "has no host"));
         }
@@ -935,6 +1000,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                     up.timeout.as_ref(),
                     defaults::UPSTREAM_TIMEOUT,
                 )?,
+                tls_ca,
             },
         );
     }
@@ -1344,9 +1410,23 @@ routes:
     }
 
     #[test]
-    fn later_features_are_rejected_not_ignored() {
-        let yaml = format!("{MINIMAL}upstreams: {{}}\n");
-        assert!(err(&yaml).contains("duplicate") || !err(&yaml).is_empty());
+    fn tls_files_that_do_not_exist_are_named() {
+        let yaml = format!(
+            "{MINIMAL}server: {{ tls: {{ cert: /nonexistent/gw.pem, key: /nonexistent/gw.key }} }}\n"
+        );
+        let e = err(&yaml);
+        assert!(
+            e.starts_with("server.tls: cannot read certificates from /nonexistent/gw.pem"),
+            "{e}"
+        );
+        let yaml = MINIMAL.replace(
+            "url: \"http://127.0.0.1:9000\", timeout: 30s",
+            "url: \"http://127.0.0.1:9000\", timeout: 30s, tls: { ca: /x.pem }",
+        );
+        assert_eq!(
+            err(&yaml),
+            "upstreams.app.tls.ca: only an https:// upstream uses a CA"
+        );
     }
 
     #[test]

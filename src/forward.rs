@@ -17,6 +17,7 @@ use http::{Request, Response, Uri, Version};
 use http_body_util::BodyExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -102,7 +103,7 @@ pub struct Upstreams {
 
 pub struct UpstreamClient {
     pub config: UpstreamConfig,
-    client: Client<HttpConnector, Body>,
+    client: Client<HttpsConnector<HttpConnector>, Body>,
 }
 
 impl Upstreams {
@@ -113,6 +114,24 @@ impl Upstreams {
                 let mut connector = HttpConnector::new();
                 connector.set_connect_timeout(Some(cfg.connect_timeout));
                 connector.set_nodelay(true);
+                connector.enforce_http(false);
+                // The CA file was loaded once at validation; if it cannot be read now, fail
+                // closed: no roots, so every https request to this upstream is refused (502).
+                let tls = crate::tls::client_config(cfg.tls_ca.as_deref()).unwrap_or_else(|e| {
+                    tracing::error!(upstream = %cfg.name, error = %e, "cannot load the upstream's CA; its https requests will fail");
+                    rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                        rustls::crypto::ring::default_provider(),
+                    ))
+                    .with_safe_default_protocol_versions()
+                    .expect("ring supports the default versions")
+                    .with_root_certificates(rustls::RootCertStore::empty())
+                    .with_no_client_auth()
+                });
+                let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                    .with_tls_config(tls)
+                    .https_or_http()
+                    .enable_http1()
+                    .wrap_connector(connector);
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(60))
                     .build(connector);

@@ -12,6 +12,7 @@
 //! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
 //!   Postgres implementation with its SQL and migrations.
+//! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
 //! - [`forward`]: upstream clients, header hygiene, timeouts.
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
@@ -41,4 +42,5 @@ pub mod replay;
 pub mod serialize;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod wait;

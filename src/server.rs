@@ -1,4 +1,5 @@
-//! The listener: connection limits, header read timeout, HTTP/1.1 and h2c, graceful shutdown.
+//! The listener: connection limits, header read timeout, HTTP/1.1 and h2 (h2c in clear, or
+//! by ALPN over TLS), graceful shutdown.
 //!
 //! [`run`] takes the listener and the shutdown future as arguments, so tests bind
 //! `127.0.0.1:0` and stop the server at will. Invariants: at most `max_connections`
@@ -25,13 +26,21 @@ use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
 use crate::gateway::Gateway;
 
-/// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`.
+/// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
+/// if the listener's TLS files cannot be loaded.
 pub async fn run(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     cfg: ServerConfig,
     shutdown: impl Future<Output = ()>,
-) {
+) -> Result<(), String> {
+    let tls = match &cfg.tls {
+        None => None,
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
+            &files.cert,
+            &files.key,
+        )?)),
+    };
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
@@ -64,12 +73,32 @@ pub async fn run(
             () = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let info = ClientInfo::new(addr, false);
+        let info = ClientInfo::new(addr, tls.is_some());
         let gw = Arc::clone(&gateway);
         let svc = service_fn(move |req| {
             let (gw, info) = (Arc::clone(&gw), info.clone());
             async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
         });
+        if let Some(acceptor) = &tls {
+            // The handshake runs in the connection's task, bounded like a request head.
+            let (acceptor, builder, watcher) =
+                (acceptor.clone(), builder.clone(), graceful.watcher());
+            let limit = cfg.header_read_timeout;
+            tokio::spawn(async move {
+                match tokio::time::timeout(limit, acceptor.accept(stream)).await {
+                    Ok(Ok(tls_stream)) => {
+                        let conn = builder.serve_connection(TokioIo::new(tls_stream), svc);
+                        if let Err(e) = watcher.watch(conn.into_owned()).await {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                    }
+                    Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
+                drop(permit);
+            });
+            continue;
+        }
         let conn = builder.serve_connection(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
@@ -93,6 +122,7 @@ pub async fn run(
             tracing::warn!("shutdown grace ended with requests still in flight; their keys are left to their leases");
         }
     }
+    Ok(())
 }
 
 /// Resolves on SIGTERM or SIGINT.

@@ -16,6 +16,7 @@ use std::time::Duration;
 use deadpool_postgres::Pool;
 use tokio::sync::mpsc;
 use tokio_postgres::{AsyncMessage, NoTls};
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::postgres::CHANNEL;
 use crate::wait::Wakeups;
@@ -32,12 +33,59 @@ pub const APPLICATION_NAME: &str = "idemgate-listener";
 
 static PROBES: AtomicU64 = AtomicU64::new(0);
 
-/// Runs forever (until aborted): listen, probe, dispatch, reconnect.
-pub async fn run(mut pg: tokio_postgres::Config, pool: Pool, wakeups: Arc<Wakeups>) {
+/// Dispatches a listener connection's notifications until it ends.
+fn spawn_driver<S, T>(
+    mut conn: tokio_postgres::Connection<S, T>,
+    wakeups: Arc<Wakeups>,
+    probe_tx: mpsc::UnboundedSender<String>,
+) -> tokio::task::JoinHandle<()>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::spawn(async move {
+        while let Some(msg) = std::future::poll_fn(|cx| conn.poll_message(cx)).await {
+            match msg {
+                Ok(AsyncMessage::Notification(n)) => match n.payload().strip_prefix(PROBE_PREFIX) {
+                    Some(nonce) => {
+                        let _ = probe_tx.send(nonce.to_string());
+                    }
+                    None => wakeups.wake(n.payload()),
+                },
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(error = %e, "wake-up listener connection failed");
+                    break;
+                }
+            }
+        }
+    })
+}
+
+/// Runs forever (until aborted): listen, probe, dispatch, reconnect. `tls` is the store's
+/// own TLS connector (the listener's connection is protected like the pool's).
+pub async fn run(
+    mut pg: tokio_postgres::Config,
+    pool: Pool,
+    wakeups: Arc<Wakeups>,
+    tls: Option<MakeRustlsConnect>,
+) {
     pg.application_name(APPLICATION_NAME);
     let mut backoff = BACKOFF_MIN;
     loop {
-        let (client, mut conn) = match pg.connect(NoTls).await {
+        let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<String>();
+        let wk = Arc::clone(&wakeups);
+        let connected = match &tls {
+            None => pg
+                .connect(NoTls)
+                .await
+                .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
+            Some(tls) => pg
+                .connect(tls.clone())
+                .await
+                .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
+        };
+        let (client, mut driver) = match connected {
             Ok(pair) => pair,
             Err(e) => {
                 wakeups.set_healthy(false);
@@ -47,27 +95,6 @@ pub async fn run(mut pg: tokio_postgres::Config, pool: Pool, wakeups: Arc<Wakeup
                 continue;
             }
         };
-        let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<String>();
-        let wk = Arc::clone(&wakeups);
-        let mut driver = tokio::spawn(async move {
-            while let Some(msg) = std::future::poll_fn(|cx| conn.poll_message(cx)).await {
-                match msg {
-                    Ok(AsyncMessage::Notification(n)) => {
-                        match n.payload().strip_prefix(PROBE_PREFIX) {
-                            Some(nonce) => {
-                                let _ = probe_tx.send(nonce.to_string());
-                            }
-                            None => wk.wake(n.payload()),
-                        }
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::debug!(error = %e, "wake-up listener connection failed");
-                        break;
-                    }
-                }
-            }
-        });
         if let Err(e) = client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
             tracing::warn!(error = %e, "LISTEN failed");
             driver.abort();

@@ -26,13 +26,15 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
+use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
+use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     BoxFuture, Claim, ClaimRequest, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store,
     StoreError,
 };
-use crate::config::PostgresConfig;
+use crate::config::{PgTlsMode, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
@@ -189,6 +191,8 @@ pub struct PgStore {
     wakeups: Arc<Wakeups>,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     metrics: StoreMetrics,
+    /// The TLS connector (`tls.mode` require or verify-full), shared with the listener.
+    tls: Option<MakeRustlsConnect>,
 }
 
 impl Drop for PgStore {
@@ -232,13 +236,32 @@ impl PgStore {
             "-c statement_timeout={}",
             cfg.statement_timeout.as_millis()
         ));
-        let mgr = Manager::from_config(
-            pg.clone(),
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let tls = match cfg.tls {
+            PgTlsMode::Disable => {
+                pg.ssl_mode(SslMode::Disable);
+                None
+            }
+            PgTlsMode::Require => {
+                pg.ssl_mode(SslMode::Require);
+                Some(MakeRustlsConnect::new(
+                    crate::tls::unverified_client_config().map_err(StoreError::Connect)?,
+                ))
+            }
+            PgTlsMode::VerifyFull => {
+                pg.ssl_mode(SslMode::Require);
+                Some(MakeRustlsConnect::new(
+                    crate::tls::client_config(cfg.tls_ca.as_deref())
+                        .map_err(StoreError::Connect)?,
+                ))
+            }
+        };
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let mgr = match &tls {
+            None => Manager::from_config(pg.clone(), NoTls, manager_config),
+            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
+        };
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
             .runtime(Runtime::Tokio1)
@@ -255,6 +278,7 @@ impl PgStore {
             wakeups: Arc::default(),
             listener: std::sync::Mutex::new(None),
             metrics: StoreMetrics::default(),
+            tls,
         })
     }
 
@@ -267,6 +291,7 @@ impl PgStore {
                 self.pg.clone(),
                 self.pool.clone(),
                 Arc::clone(&self.wakeups),
+                self.tls.clone(),
             )));
         }
     }

@@ -17,4 +17,5 @@ mod status_table;
 mod store_claim;
 mod store_outage;
 mod support;
+mod tls;
 mod upstream_faults;

@@ -1,6 +1,7 @@
 //! Test helpers: a gateway on 127.0.0.1:0 against a fresh database and a fake upstream, an
 //! HTTP client, and waiting on a condition with a deadline (never sleeping "to settle").
 
+pub mod certs;
 pub mod fault_proxy;
 pub mod pg;
 pub mod process;
@@ -153,14 +154,17 @@ impl TestGateway {
             std::future::pending::<()>(),
         ));
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(idemgate::server::run(
+        let server = idemgate::server::run(
             listener,
             Arc::clone(&gateway),
             config.server.clone(),
             async move {
                 let _ = rx.await;
             },
-        ));
+        );
+        let task = tokio::spawn(async move {
+            server.await.expect("the server starts");
+        });
         TestGateway {
             addr,
             store,

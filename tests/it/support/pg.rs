@@ -90,6 +90,11 @@ pub struct Cluster {
 impl Cluster {
     /// Starts a new private cluster (for tests that stop or crash Postgres).
     pub fn start() -> Cluster {
+        Cluster::start_with_tls(None)
+    }
+
+    /// A private cluster that also accepts TLS with this certificate and key (PEM).
+    pub fn start_with_tls(tls: Option<(&str, &str)>) -> Cluster {
         let bin = bin_dir();
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("idemgate-pg-{}-{n}", std::process::id()));
@@ -116,6 +121,27 @@ impl Cluster {
             "--no-sync",
         ]);
         run(init, "initdb");
+        if let Some((cert, key)) = tls {
+            // The server wants its key readable by its owner only.
+            std::fs::write(data.join("server.crt"), cert).expect("writing the server certificate");
+            std::fs::write(data.join("server.key"), key).expect("writing the server key");
+            let conf = data.join("postgresql.conf");
+            let mut text = std::fs::read_to_string(&conf).expect("postgresql.conf");
+            text.push_str(
+                "\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n",
+            );
+            std::fs::write(&conf, text).expect("postgresql.conf");
+            let mut chmod = Command::new("chmod");
+            chmod.arg("600").arg(data.join("server.key"));
+            run(chmod, "chmod of the server key");
+            if is_root() {
+                let mut c = Command::new("chown");
+                c.args(["postgres:postgres"])
+                    .arg(data.join("server.crt"))
+                    .arg(data.join("server.key"));
+                run(c, "chown of the server certificate");
+            }
+        }
         let port = free_port();
         let cluster = Cluster {
             bin,

@@ -83,6 +83,26 @@ impl Upstream {
 
     /// Serves on a given listener (to restart an upstream on the same port).
     pub fn serve(listener: TcpListener, behavior: Behavior) -> Upstream {
+        Upstream::serve_with(listener, behavior, None)
+    }
+
+    /// An upstream that speaks HTTPS with this certificate.
+    pub async fn start_tls(tls: std::sync::Arc<rustls::ServerConfig>) -> Upstream {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        Upstream::serve_with(
+            listener,
+            Behavior::default(),
+            Some(tokio_rustls::TlsAcceptor::from(tls)),
+        )
+    }
+
+    fn serve_with(
+        listener: TcpListener,
+        behavior: Behavior,
+        tls: Option<tokio_rustls::TlsAcceptor>,
+    ) -> Upstream {
         let addr = listener.local_addr().expect("local addr");
         let state = Arc::new(State {
             behavior: Mutex::new(behavior),
@@ -95,14 +115,24 @@ impl Upstream {
                     continue;
                 };
                 let st = Arc::clone(&st);
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let st = Arc::clone(&st);
                         async move { Ok::<_, Infallible>(answer(&st, req).await) }
                     });
-                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    let builder =
+                        hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+                    match tls {
+                        None => {
+                            let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+                        }
+                        Some(tls) => {
+                            if let Ok(stream) = tls.accept(stream).await {
+                                let _ = builder.serve_connection(TokioIo::new(stream), svc).await;
+                            }
+                        }
+                    }
                 });
             }
         });

@@ -1,0 +1,154 @@
+//! TLS on every hop, with rustls and the ring provider only.
+//!
+//! - The listener (`server.tls`): a certificate chain and key from PEM files; ALPN offers
+//!   `h2` and `http/1.1`.
+//! - Upstreams (`https://` URLs): verified against the CA file in the upstream's `tls.ca`,
+//!   or the system's bundle (`/etc/ssl/certs/ca-certificates.crt`) without one.
+//! - PostgreSQL (`store.postgres.tls.mode`): `disable`; `require` (encrypted, the server's
+//!   certificate not checked, as libpq's `sslmode=require`); `verify-full` (the chain checked
+//!   against `tls.ca` or the system bundle, and the host name against the certificate).
+//!
+//! Files are read when the configuration is applied, and a problem names the file.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
+
+/// The system's CA bundle (Debian and its relatives).
+pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Every certificate in a PEM file.
+pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs: Vec<_> = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("cannot read certificates from {}: {e}", path.display()))?
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("bad certificate in {}: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("no certificate in {}", path.display()));
+    }
+    Ok(certs)
+}
+
+/// The private key in a PEM file.
+pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
+    PrivateKeyDer::from_pem_file(path)
+        .map_err(|e| format!("cannot read a private key from {}: {e}", path.display()))
+}
+
+/// The listener's TLS: the chain and key, ALPN `h2` then `http/1.1`.
+pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_no_client_auth()
+        .with_single_cert(load_certs(cert)?, load_key(key)?)
+        .map_err(|e| {
+            format!(
+                "{} and {} do not make a key pair: {e}",
+                cert.display(),
+                key.display()
+            )
+        })?;
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Roots from a CA file, or from the system bundle.
+pub fn roots(ca: Option<&Path>) -> Result<RootCertStore, String> {
+    let mut roots = RootCertStore::empty();
+    match ca {
+        Some(path) => {
+            for cert in load_certs(path)? {
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("bad CA certificate in {}: {e}", path.display()))?;
+            }
+        }
+        None => {
+            let system = Path::new(SYSTEM_CA_BUNDLE);
+            if system.exists() {
+                let (_added, _ignored) = roots.add_parsable_certificates(load_certs(system)?);
+            }
+        }
+    }
+    Ok(roots)
+}
+
+/// A verifying client configuration (upstreams, Postgres `verify-full`).
+pub fn client_config(ca: Option<&Path>) -> Result<ClientConfig, String> {
+    Ok(ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots(ca)?)
+        .with_no_client_auth())
+}
+
+/// An encrypting, not authenticating, client configuration (Postgres `require`).
+pub fn unverified_client_config() -> Result<ClientConfig, String> {
+    let provider = provider();
+    Ok(ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AcceptAnyCertificate(provider)))
+        .with_no_client_auth())
+}
+
+/// Accepts any server certificate but still checks the handshake signatures, so the
+/// channel is encrypted to whoever holds the key: `sslmode=require`, no more.
+#[derive(Debug)]
+struct AcceptAnyCertificate(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for AcceptAnyCertificate {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

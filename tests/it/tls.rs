@@ -1,0 +1,194 @@
+//! TLS on each hop, with certificates made by the test: the listener (HTTP/1.1 and h2 by
+//! ALPN), an https upstream, and PostgreSQL (require and verify-full); and an untrusted
+//! certificate refused on each.
+
+use bytes::Bytes;
+use http::{Method, Request, Version};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+use crate::support::certs::TestPki;
+use crate::support::*;
+
+type HttpsClient = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
+
+fn https_client(ca: &std::path::Path, h2: bool) -> HttpsClient {
+    let tls = idemgate::tls::client_config(Some(ca)).unwrap();
+    let builder = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_only()
+        .enable_http1();
+    // ALPN offers h2 only when the client wants it.
+    let connector = if h2 {
+        builder.enable_http2().build()
+    } else {
+        builder.build()
+    };
+    Client::builder(TokioExecutor::new())
+        .http2_only(h2)
+        .build(connector)
+}
+
+async fn keyed(
+    client: &HttpsClient,
+    url: &str,
+    key: &str,
+) -> Result<(u16, Version, Bytes), String> {
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(url)
+        .header("idempotency-key", key)
+        .header("x-account-id", "a")
+        .body(Full::new(Bytes::from_static(b"x")))
+        .unwrap();
+    let resp = client.request(req).await.map_err(|e| format!("{e:?}"))?;
+    let (status, version) = (resp.status().as_u16(), resp.version());
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, version, body))
+}
+
+#[tokio::test]
+async fn the_listener_speaks_tls_with_http1_and_h2_and_an_untrusted_client_gets_nothing() {
+    let pki = TestPki::new();
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
+        y.replace(
+            "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+            &format!(
+                "server: {{ shutdown_grace: 5s, header_read_timeout: 2s, tls: {{ cert: \"{}\", key: \"{}\" }} }}",
+                pki.cert.display(),
+                pki.key.display()
+            ),
+        )
+    })
+    .await;
+    let url = format!("https://localhost:{}/pay", gw.addr.port());
+    let (status, version, first) = keyed(&https_client(&pki.ca, false), &url, "k")
+        .await
+        .unwrap();
+    assert_eq!((status, version), (201, Version::HTTP_11));
+    let (status, version, again) = keyed(&https_client(&pki.ca, true), &url, "k")
+        .await
+        .unwrap();
+    assert_eq!((status, version), (201, Version::HTTP_2), "h2 by ALPN");
+    assert_eq!(again, first, "replayed over h2");
+    assert_eq!(up.seen()[0].headers["x-forwarded-proto"], "https");
+
+    let stranger = TestPki::new();
+    let refused = keyed(&https_client(&stranger.ca, false), &url, "k2").await;
+    assert!(
+        refused.is_err(),
+        "a client that does not trust the certificate gets no answer"
+    );
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn an_https_upstream_is_verified_against_its_ca_and_an_untrusted_one_is_refused() {
+    let pki = TestPki::new();
+    let up = Upstream::start_tls(pki.server_config()).await;
+    // The gateway calls it by name (the certificate is for localhost), verified by `ca`.
+    let https = |ca: &std::path::Path| {
+        let (plain, ca) = (up.url(), ca.display().to_string());
+        let tls_url = format!("https://localhost:{}", up.addr.port());
+        move |y: String| {
+            y.replace(&plain, &tls_url).replace(
+                "timeout: 5s }",
+                &format!("timeout: 5s, tls: {{ ca: \"{ca}\" }} }}"),
+            )
+        }
+    };
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", https(&pki.ca)).await;
+    let c = client();
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r.status, 201, "{r:?}");
+    assert_eq!(up.executions(), 1);
+
+    let stranger = TestPki::new();
+    let (gw2, _db2) = TestGateway::on_with(Backend::Postgres, &up, "", https(&stranger.ca)).await;
+    let r = post(&c, &gw2, "a", "k", "x").await;
+    assert_eq!(
+        (r.status, r.problem().as_str()),
+        (502, "upstream-unavailable")
+    );
+    assert_eq!(
+        row_state(&gw2, "a", "k").await,
+        None,
+        "released: nothing was sent"
+    );
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn postgres_over_tls_require_and_verify_full_and_a_wrong_ca_is_refused() {
+    let pki = TestPki::new();
+    let (cert, key) = (pki.cert_pem.clone(), pki.key_pem.clone());
+    let cluster =
+        tokio::task::spawn_blocking(move || pg::Cluster::start_with_tls(Some((&cert, &key))))
+            .await
+            .unwrap();
+    let up = Upstream::start().await;
+    let c = client();
+    let with_tls = |db: &str, tls: &str| {
+        config_yaml(db, &up.url(), "").replace(
+            "statement_timeout: 1s }",
+            &format!("statement_timeout: 1s, tls: {tls} }}"),
+        )
+    };
+
+    let db = cluster.new_database().await;
+    let gw = TestGateway::start(
+        &with_tls(
+            &db,
+            &format!("{{ mode: verify-full, ca: \"{}\" }}", pki.ca.display()),
+        ),
+        &db,
+    )
+    .await;
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    let encrypted: i64 = sql(&db)
+        .await
+        .query_one(
+            "SELECT count(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid)
+              WHERE a.datname = current_database() AND a.application_name LIKE 'idemgate%' AND s.ssl",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(encrypted >= 1, "the gateway's connections are encrypted");
+
+    let db2 = cluster.new_database().await;
+    let gw2 = TestGateway::start(&with_tls(&db2, "{ mode: require }"), &db2).await;
+    assert_eq!(
+        post(&c, &gw2, "a", "k", "x").await.status,
+        201,
+        "require: encrypted, not verified"
+    );
+
+    let stranger = TestPki::new();
+    let db3 = cluster.new_database().await;
+    let yaml = with_tls(
+        &db3,
+        &format!("{{ mode: verify-full, ca: \"{}\" }}", stranger.ca.display()),
+    );
+    let config = idemgate::config::Config::from_yaml(&yaml).unwrap();
+    let idemgate::config::StoreConfig::Postgres(pgc) = &config.store else {
+        unreachable!()
+    };
+    let store = idemgate::store::postgres::PgStore::new(pgc).unwrap();
+    let refused = store.migrate().await;
+    assert!(
+        matches!(refused, Err(idemgate::store::StoreError::Connect(_))),
+        "a server certificate from another CA is refused: {refused:?}"
+    );
+}
