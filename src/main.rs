@@ -44,6 +44,11 @@ enum Command {
         #[arg(long)]
         keep_running: bool,
     },
+    /// Serve the lab's naive legacy ledger alone (the demo's upstream; for docker-compose).
+    LabLedger {
+        #[arg(long, default_value = "127.0.0.1:9000")]
+        listen: std::net::SocketAddr,
+    },
     /// Delete expired rows once (one instance at a time; a no-op while another collects).
     Gc {
         #[arg(long, short)]
@@ -146,6 +151,18 @@ fn main() -> ExitCode {
                         "some checks failed through idemgate".into(),
                     ))
                 }
+            }
+            Command::LabLedger { listen } => {
+                let ledger = idemgate::lab::Ledger::new(std::time::Duration::from_millis(10));
+                let listener = tokio::net::TcpListener::bind(listen).await?;
+                eprintln!(
+                    "idemgate: the naive legacy ledger listens on {listen} (POST {})",
+                    idemgate::lab::WEBHOOK_PATH
+                );
+                let task = ledger.serve(listener);
+                let _ = tokio::signal::ctrl_c().await;
+                task.abort();
+                Ok(())
             }
             Command::Gc { config } => {
                 let run = commands::gc(&config).await?;
