@@ -10,7 +10,7 @@
 //!
 //! Invariants of a [`Config`]: every route names an existing upstream; every keyed route's
 //! `lease` is longer than that upstream's `timeout` and not longer than its `ttl`; route names
-//! are unique. Fields a later release brings are rejected ("not supported yet"), never ignored.
+//! are unique; TLS files named by the config were readable when it was validated.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

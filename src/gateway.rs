@@ -190,6 +190,9 @@ impl Gateway {
         if old.replay_cache_bytes != config.replay_cache_bytes {
             restart_needed.push("replay_cache");
         }
+        if old.log_format != config.log_format {
+            restart_needed.push("log");
+        }
         *self.routing.write().expect("routing lock") = Arc::new(Routing::new(Arc::new(config)));
         restart_needed
     }

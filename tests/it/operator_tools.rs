@@ -168,3 +168,42 @@ async fn keys_show_and_delete_from_the_command_line() {
     assert!(gc.1.contains("deleted 0 expired key(s)"), "{gc:?}");
     let _ = std::fs::remove_file(cfg);
 }
+
+/// docs/operations.md: the keys table can be hash-partitioned by scope without code changes.
+#[tokio::test]
+async fn the_gateway_works_unchanged_on_a_keys_table_partitioned_by_scope() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    gw.sql()
+        .await
+        .batch_execute(
+            "BEGIN;
+             ALTER TABLE idemgate_keys RENAME TO idemgate_keys_old;
+             CREATE TABLE idemgate_keys (LIKE idemgate_keys_old INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
+               PARTITION BY HASH (scope);
+             ALTER TABLE idemgate_keys ADD PRIMARY KEY (scope, key);
+             CREATE INDEX ON idemgate_keys (expires_at);
+             CREATE TABLE idemgate_keys_p0 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 0);
+             CREATE TABLE idemgate_keys_p1 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 1);
+             CREATE TABLE idemgate_keys_p2 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 2);
+             CREATE TABLE idemgate_keys_p3 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 3);
+             INSERT INTO idemgate_keys SELECT * FROM idemgate_keys_old;
+             DROP TABLE idemgate_keys_old;
+             COMMIT;",
+        )
+        .await
+        .unwrap();
+    let c = client();
+    for account in ["a", "b", "c", "d", "e"] {
+        let first = post(&c, &gw, account, "k", "x").await;
+        assert_eq!(first.status, 201);
+        let again = post(&c, &gw, account, "k", "x").await;
+        assert!(again.replayed());
+        assert_eq!(post(&c, &gw, account, "k", "y").await.status, 422);
+    }
+    assert_eq!(up.executions(), 5);
+    let db = gw.sql().await;
+    insert_rows(&db, "old", 50, true).await;
+    assert_eq!(gw.store.gc(10).await.unwrap().deleted, 50);
+    assert!(gw.store.delete("a", "k").await.unwrap());
+}
