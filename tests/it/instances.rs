@@ -5,34 +5,12 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use http::Method;
-
 use crate::support::process::GatewayProcess;
 use crate::support::*;
 
 /// Fires `n` identical keyed requests at once, round-robin over `urls`.
 async fn storm(urls: &[String], n: usize, key: &str) -> Vec<Reply> {
-    let c = client();
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let (c, url, key) = (c.clone(), urls[i % urls.len()].clone(), key.to_string());
-            tokio::spawn(async move {
-                send(
-                    &c,
-                    Method::POST,
-                    &url,
-                    &[("idempotency-key", &key), ("x-account-id", "a")],
-                    "evt",
-                )
-                .await
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    at_once(urls, vec![("a".to_string(), key.to_string()); n], "evt").await
 }
 
 fn assert_one_answer(replies: &[Reply]) {
@@ -46,13 +24,6 @@ fn assert_one_answer(replies: &[Reply]) {
     assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
 }
 
-async fn healthy(gw: &TestGateway) {
-    wait_until("wake-ups are flowing", Duration::from_secs(10), || async {
-        gw.store.wakeups().healthy()
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
     let up = Upstream::start_with(Behavior {
@@ -64,8 +35,8 @@ async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
     let yaml = config_yaml(&db, &up.url(), "");
     let a = TestGateway::start(&yaml, &db).await;
     let b = TestGateway::start(&yaml, &db).await;
-    healthy(&a).await;
-    healthy(&b).await;
+    wakeups_flow(&a).await;
+    wakeups_flow(&b).await;
     let first = in_flight(&a.url("/pay"), &up, "a", "k", "evt").await;
     // 29 duplicates wait on instance B.
     let replies = storm(&[b.url("/pay")], 29, "k").await;
@@ -90,7 +61,7 @@ async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
 async fn a_dead_listener_reconnects_by_itself() {
     let up = Upstream::start().await;
     let gw = TestGateway::with_upstream(&up, "").await;
-    healthy(&gw).await;
+    wakeups_flow(&gw).await;
     let stats = &gw.store.wakeups().stats;
     assert_eq!(stats.listener_sessions.load(Ordering::Relaxed), 1);
     let killed = gw
@@ -114,7 +85,7 @@ async fn a_dead_listener_reconnects_by_itself() {
         || async { stats.listener_sessions.load(Ordering::Relaxed) == 2 },
     )
     .await;
-    healthy(&gw).await;
+    wakeups_flow(&gw).await;
 }
 
 #[tokio::test]

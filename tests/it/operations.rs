@@ -71,29 +71,17 @@ async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
 
 #[tokio::test]
 async fn health_is_always_ok_and_readiness_follows_the_store() {
-    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
-        .await
-        .unwrap();
+    let cluster = pg::Cluster::start_async().await;
     let db = cluster.new_database().await;
     let up = Upstream::start().await;
     let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
     assert_eq!(admin_get(&gw, "/healthz", None).await.status, 200);
     assert_eq!(admin_get(&gw, "/readyz", None).await.status, 200);
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_stop_immediate();
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = cluster.crashed().await;
     let r = admin_get(&gw, "/readyz", None).await;
     assert_eq!(r.status, 503);
     assert_eq!(admin_get(&gw, "/healthz", None).await.status, 200);
-    let _cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_start();
-        cluster
-    })
-    .await
-    .unwrap();
+    let _cluster = cluster.restarted().await;
     wait_until("ready again", Duration::from_secs(20), || async {
         admin_get(&gw, "/readyz", None).await.status == 200
     })

@@ -13,18 +13,11 @@ fn hits(gw: &TestGateway) -> u64 {
         .unwrap_or(0)
 }
 
-async fn healthy(gw: &TestGateway) {
-    wait_until("wake-ups flow", Duration::from_secs(10), || async {
-        gw.store.wakeups().healthy()
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn a_hot_replay_is_served_from_memory_byte_for_byte() {
     let up = Upstream::start().await;
     let gw = TestGateway::with_upstream(&up, "").await;
-    healthy(&gw).await;
+    wakeups_flow(&gw).await;
     let c = client();
     let first = post(&c, &gw, "a", "k", "x").await;
     let from_store = post(&c, &gw, "a", "k", "x").await;
@@ -51,8 +44,8 @@ async fn a_delete_on_one_instance_evicts_the_key_from_every_instances_cache() {
     let yaml = config_yaml(&db, &up.url(), "");
     let a = TestGateway::start(&yaml, &db).await;
     let b = TestGateway::start(&yaml, &db).await;
-    healthy(&a).await;
-    healthy(&b).await;
+    wakeups_flow(&a).await;
+    wakeups_flow(&b).await;
     let c = client();
     post(&c, &a, "a", "k", "x").await;
     assert!(

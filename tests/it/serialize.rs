@@ -2,8 +2,6 @@
 
 use std::time::Duration;
 
-use http::Method;
-
 use crate::support::*;
 
 /// Upstream timeout 1s, a lease that covers timeout + wait + record.
@@ -17,29 +15,10 @@ fn yaml(db: &str, upstream: &str, max: u32, wait: &str) -> String {
 }
 
 pub async fn burst(urls: &[String], account: &str, n: usize) -> Vec<Reply> {
-    let c = client();
-    let tasks: Vec<_> = (0..n)
-        .map(|i| {
-            let (c, url) = (c.clone(), urls[i % urls.len()].clone());
-            let account = account.to_string();
-            tokio::spawn(async move {
-                let key = format!("{account}-evt-{i}");
-                send(
-                    &c,
-                    Method::POST,
-                    &url,
-                    &[("idempotency-key", &key), ("x-account-id", &account)],
-                    "e",
-                )
-                .await
-            })
-        })
+    let keys = (0..n)
+        .map(|i| (account.to_string(), format!("{account}-evt-{i}")))
         .collect();
-    let mut out = Vec::new();
-    for t in tasks {
-        out.push(t.await.unwrap());
-    }
-    out
+    at_once(urls, keys, "e").await
 }
 
 #[tokio::test]

@@ -40,21 +40,14 @@ async fn pool_exhaustion_answers_503_within_its_bound() {
 
 #[tokio::test]
 async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself() {
-    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
-        .await
-        .unwrap();
+    let cluster = pg::Cluster::start_async().await;
     let db = cluster.new_database().await;
     let up = Upstream::start().await;
     let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "before", "x").await.status, 201);
 
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_stop_immediate();
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = cluster.crashed().await;
     for i in 0..3 {
         let started = Instant::now();
         let r = post(&c, &gw, "a", &format!("during-{i}"), "x").await;
@@ -71,12 +64,7 @@ async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself() 
         "nothing keyed was forwarded during the outage"
     );
 
-    let _cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_start();
-        cluster
-    })
-    .await
-    .unwrap();
+    let _cluster = cluster.restarted().await;
     // No restart of the gateway: dead pooled connections are not handed out forever.
     wait_until(
         "keyed traffic recovers",
@@ -93,9 +81,7 @@ async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself() 
 
 #[tokio::test]
 async fn pass_through_forwards_without_idempotency_and_says_so() {
-    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
-        .await
-        .unwrap();
+    let cluster = pg::Cluster::start_async().await;
     let db = cluster.new_database().await;
     let up = Upstream::start().await;
     let yaml = config_yaml(&db, &up.url(), "on_store_error: pass_through");
@@ -103,12 +89,7 @@ async fn pass_through_forwards_without_idempotency_and_says_so() {
     let c = client();
     let normal = post(&c, &gw, "a", "k0", "x").await;
     assert!(!normal.headers.contains_key("idempotency-status"));
-    let _cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_stop_immediate();
-        cluster
-    })
-    .await
-    .unwrap();
+    let _cluster = cluster.crashed().await;
     let r = post(&c, &gw, "a", "k", "x").await;
     assert_eq!(r.status, 201);
     assert_eq!(r.headers["idempotency-status"], "bypassed");
@@ -120,9 +101,7 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers() {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let cluster = tokio::task::spawn_blocking(pg::Cluster::start)
-        .await
-        .unwrap();
+    let cluster = pg::Cluster::start_async().await;
     let db = cluster.new_database().await;
     let up = Upstream::start().await;
     let gw = Arc::new(TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await);
@@ -149,12 +128,7 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers() {
         up.executions() > 20
     })
     .await;
-    let cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_stop_immediate();
-        cluster
-    })
-    .await
-    .unwrap();
+    let cluster = cluster.crashed().await;
     let during = up.executions();
     // Let the outage last a while under load.
     let c = client();
@@ -162,12 +136,7 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers() {
         let r = post(&c, &gw, "probe", &format!("p{i}"), "x").await;
         assert_eq!(r.status, 503);
     }
-    let _cluster = tokio::task::spawn_blocking(move || {
-        cluster.pg_start();
-        cluster
-    })
-    .await
-    .unwrap();
+    let _cluster = cluster.restarted().await;
     let probes = std::sync::atomic::AtomicUsize::new(0);
     let probes_ok = std::sync::atomic::AtomicUsize::new(0);
     wait_until(

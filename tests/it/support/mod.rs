@@ -424,6 +424,45 @@ pub async fn in_flight(
     })
 }
 
+/// Sends keyed POSTs (`account`, `key`) all at once, round-robin over `urls`.
+pub async fn at_once(
+    urls: &[String],
+    keys: Vec<(String, String)>,
+    body: &'static str,
+) -> Vec<Reply> {
+    let c = client();
+    let tasks: Vec<_> = keys
+        .into_iter()
+        .enumerate()
+        .map(|(i, (account, key))| {
+            let (c, url) = (c.clone(), urls[i % urls.len()].clone());
+            tokio::spawn(async move {
+                send(
+                    &c,
+                    Method::POST,
+                    &url,
+                    &[("idempotency-key", &key), ("x-account-id", &account)],
+                    body,
+                )
+                .await
+            })
+        })
+        .collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.expect("request task"));
+    }
+    out
+}
+
+/// Waits until the store's wake-ups flow (the listener is up and its probe came back).
+pub async fn wakeups_flow(gw: &TestGateway) {
+    wait_until("wake-ups flow", Duration::from_secs(10), || async {
+        gw.store.wakeups().healthy()
+    })
+    .await;
+}
+
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where

@@ -214,6 +214,33 @@ impl Cluster {
         run(c, "pg_ctl stop");
     }
 
+    /// Crashes the server (`pg_ctl -m immediate stop`) off the async workers.
+    pub async fn crashed(self) -> Cluster {
+        tokio::task::spawn_blocking(move || {
+            self.pg_stop_immediate();
+            self
+        })
+        .await
+        .expect("stopping the cluster")
+    }
+
+    /// Starts the server again, off the async workers.
+    pub async fn restarted(self) -> Cluster {
+        tokio::task::spawn_blocking(move || {
+            self.pg_start();
+            self
+        })
+        .await
+        .expect("starting the cluster")
+    }
+
+    /// A new private cluster, started off the async workers.
+    pub async fn start_async() -> Cluster {
+        tokio::task::spawn_blocking(Cluster::start)
+            .await
+            .expect("starting a private cluster")
+    }
+
     /// A fresh, empty database; returns its connection string.
     pub async fn new_database(&self) -> String {
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
