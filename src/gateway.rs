@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
-use crate::fingerprint::fingerprint;
+use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{
     Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
     stream,
@@ -350,16 +350,6 @@ impl Gateway {
             &body,
             json_value,
         )?;
-        let claim = ClaimRequest {
-            scope: &scope,
-            key: &key,
-            route: &route.name,
-            fingerprint: &fp,
-            lease: idem.lease,
-            ttl: idem.ttl,
-            hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
-        };
-
         let id = key_id(&scope, &key);
         log.key_id = Some(id.clone());
         // Hot replays skip the store (see cache.rs for why a hit is always a committed,
@@ -371,83 +361,38 @@ impl Gateway {
             log.outcome = outcome::REPLAYED;
             return Ok(hit.to_replay());
         }
-        let cache_epoch = cache.map(|(_, epoch)| epoch);
-        let mut claimed_at = Instant::now();
-        let first = match self.store.claim(claim).await {
-            Ok(found) => found,
-            Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
-                tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
-                let out = upstream.prepare(parts, full(body), &client, None);
-                let mut resp = proxy(upstream, out, log).await?;
-                log.outcome = outcome::BYPASSED;
-                resp.headers_mut()
-                    .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
-                return Ok(resp);
-            }
-            Err(e) => return Err(e.into()),
+        // From the claim on, the work runs in its own task: a client that hangs up while the
+        // claim is in the database (or while waiting for a duplicate) cannot leave a claimed
+        // key without a forward; the forward still happens and its answer is stored.
+        let work = KeyedWork {
+            gateway: Arc::clone(self),
+            routing: Arc::clone(routing),
+            route: route.name.clone(),
+            parts,
+            body,
+            client,
+            scope,
+            key,
+            id,
+            fp,
+            cache_epoch: cache.map(|(_, epoch)| epoch),
         };
-        let mut waited = false;
-        let found = match first {
-            Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
-                return Err(in_flight_error());
-            }
-            Claim::InFlight { .. } => {
-                let (found, at) = self
-                    .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
-                    .await?;
-                claimed_at = at;
-                waited = true;
-                found
-            }
-            other => other,
-        };
-        match found {
-            Claim::Acquired { token, took_over } => {
-                if took_over {
-                    self.metrics.lease(&route.name, "taken_over");
-                    tracing::warn!(route = %route.name, key = %id, "took over an expired lease: the earlier attempt's outcome is unknown");
-                }
-                log.outcome = outcome::FORWARDED;
-                let job = ForwardJob {
-                    gateway: Arc::clone(self),
-                    routing: Arc::clone(routing),
-                    route: route.name.clone(),
-                    scope: scope.clone(),
-                    key: key.clone(),
-                    token,
-                    // Our clock started before the statement that set the lease in database
-                    // time, so this is never later than the real end of the lease.
-                    lease_ends: claimed_at + idem.lease,
-                };
-                let request = upstream.prepare(
-                    parts,
-                    full(body),
-                    &client,
-                    Some((&idem.forward_key_header, &key)),
-                );
-                let (result, upstream_took) = job.spawn(request).await;
-                log.upstream = upstream_took;
-                result
-            }
-            Claim::Completed(stored, expires_in) => {
-                log.outcome = if waited {
-                    outcome::COALESCED
-                } else {
-                    outcome::REPLAYED
-                };
-                let replay = stored.to_replay();
-                if let Some(epoch) = cache_epoch {
-                    self.store
-                        .wakeups()
-                        .cache_fill(epoch, id, fp, stored, claimed_at + expires_in);
-                }
-                Ok(replay)
-            }
-            Claim::Mismatch => Err(GatewayError::FingerprintMismatch),
-            Claim::Held => Err(GatewayError::OutcomeUnknown),
-            Claim::NotReplayable { .. } => Err(GatewayError::NotReplayable),
-            Claim::InFlight { .. } => Err(in_flight_error()),
-        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let _ = tx.send(work.run().await);
+        });
+        let (result, outcome, upstream_took) = rx.await.unwrap_or_else(|_| {
+            (
+                Err(GatewayError::StoreAfterForward(StoreError::Db(
+                    "request task ended without an answer".into(),
+                ))),
+                outcome::STORE_UNAVAILABLE,
+                None,
+            )
+        });
+        log.outcome = outcome;
+        log.upstream = upstream_took;
+        result
     }
 
     /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
@@ -494,6 +439,160 @@ impl Gateway {
                 () = tokio::time::sleep(nap) => {}
             }
             since = Instant::now();
+        }
+    }
+}
+
+/// A keyed request from its claim on, owned by its own task (see `Gateway::keyed`).
+struct KeyedWork {
+    gateway: Arc<Gateway>,
+    routing: Arc<Routing>,
+    route: String,
+    parts: http::request::Parts,
+    body: Bytes,
+    client: ClientInfo,
+    scope: String,
+    key: String,
+    id: String,
+    fp: Fingerprint,
+    cache_epoch: Option<u64>,
+}
+
+/// What a keyed request ended as: the answer, its outcome name, the upstream's time.
+type KeyedResult = (
+    Result<Response<Body>, GatewayError>,
+    &'static str,
+    Option<Duration>,
+);
+
+impl KeyedWork {
+    async fn run(self) -> KeyedResult {
+        let KeyedWork {
+            gateway,
+            routing,
+            route: name,
+            parts,
+            body,
+            client,
+            scope,
+            key,
+            id,
+            fp,
+            cache_epoch,
+        } = self;
+        let (route, idem, upstream) = routing
+            .route(&name)
+            .expect("a keyed request's route exists in its routing");
+        let claim = ClaimRequest {
+            scope: &scope,
+            key: &key,
+            route: &route.name,
+            fingerprint: &fp,
+            lease: idem.lease,
+            ttl: idem.ttl,
+            hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
+        };
+        let mut claimed_at = Instant::now();
+        let first = match gateway.store.claim(claim).await {
+            Ok(found) => found,
+            Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
+                tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
+                let out = upstream.prepare(parts, full(body), &client, None);
+                let mut log = RequestLog {
+                    route: None,
+                    outcome: outcome::BYPASSED,
+                    key_id: None,
+                    upstream: None,
+                };
+                let result = proxy(upstream, out, &mut log).await.map(|mut resp| {
+                    resp.headers_mut()
+                        .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                    resp
+                });
+                return (result, outcome::BYPASSED, log.upstream);
+            }
+            Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
+        };
+        let mut waited = false;
+        let found = match first {
+            Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
+                return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None);
+            }
+            Claim::InFlight { .. } => {
+                match gateway
+                    .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
+                    .await
+                {
+                    Ok((found, at)) => {
+                        claimed_at = at;
+                        waited = true;
+                        found
+                    }
+                    Err(e) => return (Err(e), outcome::IN_FLIGHT_REJECTED, None),
+                }
+            }
+            other => other,
+        };
+        match found {
+            Claim::Acquired { token, took_over } => {
+                if took_over {
+                    gateway.metrics.lease(&route.name, "taken_over");
+                    tracing::warn!(route = %route.name, key = %id, "took over an expired lease: the earlier attempt's outcome is unknown");
+                }
+                let job = ForwardJob {
+                    gateway: Arc::clone(&gateway),
+                    routing: Arc::clone(&routing),
+                    route: route.name.clone(),
+                    scope: scope.clone(),
+                    key: key.clone(),
+                    token,
+                    // Our clock started before the statement that set the lease in database
+                    // time, so this is never later than the real end of the lease.
+                    lease_ends: claimed_at + idem.lease,
+                };
+                let request = upstream.prepare(
+                    parts,
+                    full(body),
+                    &client,
+                    Some((&idem.forward_key_header, &key)),
+                );
+                let (result, took) = job.spawn(request).await;
+                (result, outcome::FORWARDED, took)
+            }
+            Claim::Completed(stored, expires_in) => {
+                let replay = stored.to_replay();
+                if let Some(epoch) = cache_epoch {
+                    gateway.store.wakeups().cache_fill(
+                        epoch,
+                        id,
+                        fp,
+                        stored,
+                        claimed_at + expires_in,
+                    );
+                }
+                let name = if waited {
+                    outcome::COALESCED
+                } else {
+                    outcome::REPLAYED
+                };
+                (Ok(replay), name, None)
+            }
+            Claim::Mismatch => (
+                Err(GatewayError::FingerprintMismatch),
+                outcome::MISMATCH,
+                None,
+            ),
+            Claim::Held => (
+                Err(GatewayError::OutcomeUnknown),
+                outcome::OUTCOME_UNKNOWN,
+                None,
+            ),
+            Claim::NotReplayable { .. } => (
+                Err(GatewayError::NotReplayable),
+                outcome::NOT_REPLAYABLE,
+                None,
+            ),
+            Claim::InFlight { .. } => (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None),
         }
     }
 }

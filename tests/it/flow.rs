@@ -332,3 +332,58 @@ async fn another_request_under_a_key_whose_lease_expired_is_a_mismatch_not_a_tak
     assert_eq!(post(&c, &gw, "a", "k", "original").await.status, 201);
     assert_eq!(up.executions(), 1);
 }
+
+/// A client that hangs up while its claim is still in the database must not leave the key
+/// claimed with nobody to forward it: the claim runs detached, forwards, and stores.
+#[tokio::test]
+async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_and_stored() {
+    use tokio::io::AsyncWriteExt;
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    // Another transaction holds the key's slot in the unique index, uncommitted: our claim
+    // will wait for it.
+    let mut blocker = gw.sql().await;
+    let tx = blocker.transaction().await.unwrap();
+    tx.execute(
+        "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, lease_token,
+                                    lease_expires_at, expires_at)
+         VALUES ('a', 'k', 'payments', '\\x00', 'in_flight', gen_random_uuid(),
+                 now() + interval '1 hour', now() + interval '1 hour')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: k\r\nx-account-id: a\r\ncontent-length: 1\r\n\r\nx",
+    )
+    .await
+    .unwrap();
+    let db = gw.sql().await;
+    wait_until(
+        "the claim waits for the row lock",
+        Duration::from_secs(10),
+        || async {
+            db.query_one(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                == 1
+        },
+    )
+    .await;
+    drop(s); // the client hangs up while its claim is in the database
+    tx.rollback().await.unwrap();
+    wait_until(
+        "the key is forwarded and stored anyway",
+        Duration::from_secs(10),
+        || async { row_state(&gw, "a", "k").await.as_deref() == Some("completed") },
+    )
+    .await;
+    assert_eq!(up.executions(), 1);
+    assert!(post(&client(), &gw, "a", "k", "x").await.replayed());
+}
