@@ -110,11 +110,16 @@ async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>) {
             }
             Ok(config) => {
                 let routes = config.routes.len();
-                let ignored = gateway.reload(config);
-                if ignored.is_empty() {
-                    tracing::info!(routes, "configuration reloaded");
-                } else {
-                    tracing::warn!(routes, needs_restart = ?ignored, "configuration reloaded; these changes apply after a restart");
+                match gateway.reload(config) {
+                    Err(why) => {
+                        tracing::error!(error = %why, "reload refused; the old configuration stays in force")
+                    }
+                    Ok(ignored) if ignored.is_empty() => {
+                        tracing::info!(routes, "configuration reloaded")
+                    }
+                    Ok(ignored) => {
+                        tracing::warn!(routes, needs_restart = ?ignored, "configuration reloaded; these changes apply after a restart")
+                    }
                 }
             }
         }

@@ -94,6 +94,7 @@ struct RawServer {
     max_connections: Option<usize>,
     max_header_bytes: Option<RawSize>,
     header_read_timeout: Option<String>,
+    body_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
     tls: Option<RawServerTls>,
 }
@@ -293,6 +294,8 @@ pub struct ServerConfig {
     pub max_header_bytes: usize,
     /// Time a client has to send a complete request head (slowloris bound).
     pub header_read_timeout: Duration,
+    /// Time a client has to send a keyed request's whole body (it is read before the claim).
+    pub body_read_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
     pub shutdown_grace: Duration,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
@@ -516,6 +519,7 @@ pub mod defaults {
     pub const MAX_HEADER_BYTES: usize = 64 * 1024;
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
     pub const POOL_SIZE: usize = 16;
     pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
@@ -830,6 +834,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             "server.header_read_timeout",
             raw.server.header_read_timeout.as_ref(),
             defaults::HEADER_READ_TIMEOUT,
+        )?,
+        body_read_timeout: duration_or(
+            "server.body_read_timeout",
+            raw.server.body_read_timeout.as_ref(),
+            defaults::BODY_READ_TIMEOUT,
         )?,
         shutdown_grace: duration_or(
             "server.shutdown_grace",

@@ -165,10 +165,16 @@ impl Gateway {
 
     /// Swaps in a new, already validated configuration for new requests; requests in flight
     /// finish with the one they started with. Returns the changed settings that only a
-    /// restart applies (listeners, store, server limits, the replay cache size): those keep
-    /// their old values.
-    pub fn reload(&self, config: Config) -> Vec<&'static str> {
+    /// restart applies (listeners, server limits, the replay cache size, logging): those keep
+    /// their old values. A changed `store` section refuses the whole reload: leases were
+    /// validated against its timeouts, which would not be the ones in force.
+    pub fn reload(&self, config: Config) -> Result<Vec<&'static str>, String> {
         let old = self.config();
+        if format!("{:?}", old.store) != format!("{:?}", config.store) {
+            return Err(
+                "the store section changed; restart to apply it (nothing was reloaded)".into(),
+            );
+        }
         let mut restart_needed = Vec::new();
         if old.listen != config.listen {
             restart_needed.push("listen");
@@ -181,9 +187,7 @@ impl Gateway {
         if format!("{:?}", old.server) != format!("{:?}", config.server) {
             restart_needed.push("server");
         }
-        if format!("{:?}", old.store) != format!("{:?}", config.store) {
-            restart_needed.push("store");
-        }
+
         if format!("{:?}", old.gc) != format!("{:?}", config.gc) {
             restart_needed.push("store.gc");
         }
@@ -194,7 +198,7 @@ impl Gateway {
             restart_needed.push("log");
         }
         *self.routing.write().expect("routing lock") = Arc::new(Routing::new(Arc::new(config)));
-        restart_needed
+        Ok(restart_needed)
     }
 
     /// The process's metrics.
@@ -324,7 +328,13 @@ impl Gateway {
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
         let (parts, body) = req.into_parts();
-        let body = read_body(&parts.headers, body, idem.max_request_body).await?;
+        let limit = routing.config.server.body_read_timeout;
+        let body = tokio::time::timeout(
+            limit,
+            read_body(&parts.headers, body, idem.max_request_body),
+        )
+        .await
+        .map_err(|_| GatewayError::BodyTimeout(limit))??;
         let mut json = JsonBody::new(&body);
         let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
             // No key and none required: a plain forward.
@@ -697,10 +707,17 @@ impl ForwardJob {
         let held = match idem.serialize {
             None => None,
             Some(ser) => {
+                // The forward and its recording must fit in what is left of the lease.
+                let (_, _, upstream) = routing
+                    .route(&self.route)
+                    .expect("the route of a claimed request exists");
+                let last_start = self.lease_ends
+                    - upstream.config.timeout
+                    - self.routing.config.store.record_bound() * 2;
                 let got = self
                     .gateway
                     .serializer
-                    .acquire(store, &self.scope, ser, idem.lease)
+                    .acquire(store, &self.scope, ser, idem.lease, last_start)
                     .await;
                 match got {
                     Ok(Some(held)) => Some(held),

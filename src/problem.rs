@@ -33,6 +33,8 @@ pub enum GatewayError {
     BodyTooLarge { limit: usize },
     #[error("reading the request body failed: {0}")]
     BodyRead(String),
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(Duration),
 
     #[error("same key, different request")]
     FingerprintMismatch,
@@ -65,7 +67,7 @@ impl GatewayError {
             GatewayError::ScopeMissing { .. } | GatewayError::ScopeInvalid(_) => o::SCOPE_MISSING,
             GatewayError::BodyNotJson => o::BODY_NOT_JSON,
             GatewayError::BodyTooLarge { .. } => o::BODY_TOO_LARGE,
-            GatewayError::BodyRead(_) => o::BODY_UNREADABLE,
+            GatewayError::BodyRead(_) | GatewayError::BodyTimeout(_) => o::BODY_UNREADABLE,
             GatewayError::FingerprintMismatch => o::MISMATCH,
             GatewayError::InFlight { .. } => o::IN_FLIGHT_REJECTED,
             GatewayError::Store(_) | GatewayError::StoreAfterForward(_) => o::STORE_UNAVAILABLE,
@@ -83,7 +85,9 @@ impl GatewayError {
     pub fn closes_connection(&self) -> bool {
         matches!(
             self,
-            GatewayError::BodyTooLarge { .. } | GatewayError::BodyRead(_)
+            GatewayError::BodyTooLarge { .. }
+                | GatewayError::BodyRead(_)
+                | GatewayError::BodyTimeout(_)
         )
     }
 }
@@ -161,6 +165,16 @@ impl GatewayError {
                 "body-unreadable",
                 "Request body could not be read",
                 "The request body ended early or was malformed.".into(),
+                None,
+            ),
+            E::BodyTimeout(limit) => (
+                408,
+                "body-timeout",
+                "Request body too slow",
+                format!(
+                    "The request body did not arrive within {} seconds.",
+                    limit.as_secs()
+                ),
                 None,
             ),
             E::FingerprintMismatch => (

@@ -58,25 +58,32 @@ impl Drop for QueueRef {
 }
 
 impl Serializer {
-    /// Waits for a slot of `scope` until `cfg.wait_timeout`. `Ok(None)`: the wait ran out.
+    /// Waits for a slot of `scope` until `cfg.wait_timeout`, and never starts asking the
+    /// store after `last_start` (past it, the key's lease could end before the forward and
+    /// its recording do; the caller leaves room for one slot statement and one recording).
+    /// `Ok(None)`: the wait ran out.
     pub async fn acquire(
         &self,
         store: &dyn Store,
         scope: &str,
         cfg: SerializeConfig,
         lease: Duration,
+        last_start: Instant,
     ) -> Result<Option<Held>, StoreError> {
-        let deadline = Instant::now() + cfg.wait_timeout;
+        let deadline = (Instant::now() + cfg.wait_timeout).min(last_start);
+        // One local queue per scope and limit: a reload or another route with another limit
+        // gets its own semaphore instead of inheriting the first one's size.
+        let queue_key = format!("{}\0{scope}", cfg.max_in_flight);
         let (queue, sem) = {
             let mut q = self.queues.lock().expect("queues lock");
             let entry = q
-                .entry(scope.to_string())
+                .entry(queue_key.clone())
                 .or_insert_with(|| (0, Arc::new(Semaphore::new(cfg.max_in_flight as usize))));
             entry.0 += 1;
             (
                 QueueRef {
                     queues: Arc::clone(&self.queues),
-                    scope: scope.to_string(),
+                    scope: queue_key,
                 },
                 Arc::clone(&entry.1),
             )
@@ -91,12 +98,19 @@ impl Serializer {
         let mut pause = wait::POLL_MIN;
         loop {
             let woken = sub.next_wakeup();
-            if let Some(slot) = store.acquire_slot(scope, cfg.max_in_flight, lease).await? {
-                return Ok(Some(Held {
-                    slot,
-                    _permit: permit,
-                    _queue: queue,
-                }));
+            // Losing a race for one slot says nothing about the others: try again at once,
+            // up to once per slot, before sleeping.
+            for _ in 0..cfg.max_in_flight.max(1) {
+                if Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                if let Some(slot) = store.acquire_slot(scope, cfg.max_in_flight, lease).await? {
+                    return Ok(Some(Held {
+                        slot,
+                        _permit: permit,
+                        _queue: queue,
+                    }));
+                }
             }
             let now = Instant::now();
             if now >= deadline {

@@ -26,6 +26,9 @@ use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
 use crate::gateway::Gateway;
 
+/// Concurrent requests on one h2 connection.
+const H2_MAX_STREAMS: u32 = 100;
+
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
 /// if the listener's TLS files cannot be loaded.
 pub async fn run(
@@ -47,10 +50,15 @@ pub async fn run(
         .timer(TokioTimer::new())
         .header_read_timeout(cfg.header_read_timeout)
         .max_buf_size(cfg.max_header_bytes);
+    // h2 has no header read timeout: idle connections are found by pings instead, and the
+    // streams per connection are bounded so one connection cannot hold unbounded requests.
     builder
         .http2()
         .timer(TokioTimer::new())
-        .max_header_list_size(u32::try_from(cfg.max_header_bytes).unwrap_or(u32::MAX));
+        .max_header_list_size(u32::try_from(cfg.max_header_bytes).unwrap_or(u32::MAX))
+        .max_concurrent_streams(H2_MAX_STREAMS)
+        .keep_alive_interval(Some(cfg.header_read_timeout))
+        .keep_alive_timeout(cfg.header_read_timeout);
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(cfg.max_connections));
     tokio::pin!(shutdown);

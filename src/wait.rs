@@ -80,8 +80,9 @@ pub struct Wakeups {
     /// last one out always removes the entry).
     keys: Mutex<HashMap<String, (usize, Arc<KeyWait>)>>,
     healthy: AtomicBool,
-    /// Bumped on every change of `healthy`: a cache fill that read the store under another
-    /// epoch may have missed an eviction, and is dropped.
+    /// Bumped on every change of `healthy` and on every announcement: a cache fill whose
+    /// store read started under another epoch may have been overtaken by an eviction (an
+    /// operator's delete landing between the read and the fill), and is dropped.
     epoch: AtomicU64,
     pub stats: WaitStats,
 }
@@ -170,6 +171,7 @@ impl Wakeups {
 
     /// Wakes every local waiter of the key with this id (a NOTIFY payload).
     pub fn wake(&self, id: &str) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         if let Some(cache) = self.cache.get() {
             cache.invalidate(id);
         }

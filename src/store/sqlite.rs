@@ -152,6 +152,9 @@ impl SqliteStore {
         let (otx, orx) = tokio::sync::oneshot::channel();
         let deadline = Instant::now() + QUEUE_BOUND;
         let job: Job = Box::new(move |conn| {
+            if otx.is_closed() {
+                return; // the caller is gone: do not claim (or write) on its behalf
+            }
             let result = (|| {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 let v = f(&tx)?;
@@ -205,41 +208,35 @@ fn migrate(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<usize> {
 
 /// The claim of `store/postgres.rs`, in SQLite's dialect; see the module docs for why two
 /// statements in one IMMEDIATE transaction are as atomic as one.
-fn claim_sql() -> String {
-    format!(
-        "INSERT INTO idemgate_keys AS k
+/// `?8` is the clock, read once for the whole claim, so the insert and the read that may
+/// follow it agree on what has expired.
+const CLAIM_SQL: &str = "INSERT INTO idemgate_keys AS k
             (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
              created_at, expires_at)
-         VALUES (?1, ?2, ?3, ?4, 'in_flight', lower(hex(randomblob(16))), {NOW} + ?5, 1,
-                 {NOW}, {NOW} + ?6)
+         VALUES (?1, ?2, ?3, ?4, 'in_flight', lower(hex(randomblob(16))), ?8 + ?5, 1,
+                 ?8, ?8 + ?6)
          ON CONFLICT (scope, key) DO UPDATE SET
             route = excluded.route,
             fingerprint = excluded.fingerprint,
             state = 'in_flight',
             lease_token = excluded.lease_token,
             lease_expires_at = excluded.lease_expires_at,
-            attempts = CASE WHEN k.state = 'in_flight' AND k.expires_at > {NOW}
+            attempts = CASE WHEN k.state = 'in_flight' AND k.expires_at > ?8
                             THEN k.attempts + 1 ELSE 1 END,
             status = NULL, headers = NULL, body = NULL,
             created_at = excluded.created_at,
             completed_at = NULL,
             expires_at = excluded.expires_at
-         WHERE k.expires_at <= {NOW}
-            OR (NOT ?7 AND k.state = 'in_flight' AND k.lease_expires_at <= {NOW}
+         WHERE k.expires_at <= ?8
+            OR (NOT ?7 AND k.state = 'in_flight' AND k.lease_expires_at <= ?8
                 AND k.fingerprint = excluded.fingerprint)
-         RETURNING lease_token, attempts"
-    )
-}
+         RETURNING lease_token, attempts";
 
-fn existing_sql() -> String {
-    format!(
-        "SELECT state, fingerprint, status, headers, body,
-                state = 'in_flight' AND lease_expires_at <= {NOW},
-                max(0, coalesce(lease_expires_at, 0) - {NOW}),
-                max(0, expires_at - {NOW})
-           FROM idemgate_keys WHERE scope = ?1 AND key = ?2"
-    )
-}
+const EXISTING_SQL: &str = "SELECT state, fingerprint, status, headers, body,
+                state = 'in_flight' AND lease_expires_at <= ?3,
+                max(0, coalesce(lease_expires_at, 0) - ?3),
+                max(0, expires_at - ?3)
+           FROM idemgate_keys WHERE scope = ?1 AND key = ?2";
 
 fn decode_existing(
     fp: &[u8; 32],
@@ -304,11 +301,13 @@ impl Store for SqliteStore {
         let hold = req.hold_expired_leases;
         Box::pin(async move {
             self.call("claim", move |tx| {
+                let now: i64 = tx.query_row(&format!("SELECT {NOW}"), [], |r| r.get(0))?;
                 let claimed = tx
-                    .prepare_cached(&claim_sql())?
-                    .query_row(params![scope, key, route, &fp[..], lease, ttl, hold], |r| {
-                        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?))
-                    })
+                    .prepare_cached(CLAIM_SQL)?
+                    .query_row(
+                        params![scope, key, route, &fp[..], lease, ttl, hold, now],
+                        |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)),
+                    )
                     .optional()?;
                 if let Some((token, attempts)) = claimed {
                     return Ok(Ok(Claim::Acquired {
@@ -316,8 +315,8 @@ impl Store for SqliteStore {
                         took_over: attempts > 1,
                     }));
                 }
-                tx.prepare_cached(&existing_sql())?
-                    .query_row(params![scope, key], |r| decode_existing(&fp, r))
+                tx.prepare_cached(EXISTING_SQL)?
+                    .query_row(params![scope, key, now], |r| decode_existing(&fp, r))
             })
             .await?
         })

@@ -212,3 +212,26 @@ async fn at_max_connections_new_connections_wait_while_existing_ones_keep_workin
     assert_eq!(status_of(&buf[..n]), 201);
     assert_eq!(up.executions(), 4);
 }
+
+#[tokio::test]
+async fn a_keyed_body_slower_than_its_bound_is_408_and_claims_nothing() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "").replace(
+        "header_read_timeout: 2s }",
+        "header_read_timeout: 2s, body_read_timeout: 500ms }",
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let mut s = TcpStream::connect(gw.addr).await.unwrap();
+    s.write_all(
+        b"POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: slow\r\nx-account-id: a\r\n\
+          content-length: 100\r\n\r\nthe rest never comes",
+    )
+    .await
+    .unwrap();
+    let got = read_until_closed(&mut s, Duration::from_secs(10)).await;
+    assert_eq!(status_of(&got), 408);
+    assert!(String::from_utf8_lossy(&got).contains("body-timeout"));
+    assert_eq!(row_state(&gw, "a", "slow").await, None);
+    assert_eq!(up.executions(), 0);
+}

@@ -199,6 +199,20 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
         before + 1,
         "still served by the last good configuration"
     );
+
+    // A store change is refused whole: leases were checked against timeouts not in force.
+    std::fs::write(
+        &gw.config,
+        to_b.replace("statement_timeout: 1s", "statement_timeout: 3s"),
+    )
+    .unwrap();
+    hup(&gw);
+    wait_until(
+        "the store change is refused",
+        Duration::from_secs(10),
+        || async { gw.log_text().contains("the store section changed") },
+    )
+    .await;
     gw.kill();
 }
 
