@@ -360,22 +360,7 @@ async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_an
     .await
     .unwrap();
     let db = gw.sql().await;
-    wait_until(
-        "the claim waits for the row lock",
-        Duration::from_secs(10),
-        || async {
-            db.query_one(
-                "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-                == 1
-        },
-    )
-    .await;
+    wait_for_a_lock_waiter(&db).await;
     drop(s); // the client hangs up while its claim is in the database
     tx.rollback().await.unwrap();
     wait_until(

@@ -57,22 +57,7 @@ async fn a_claim_blocked_behind_a_takeover_sees_the_new_row_not_its_snapshot() {
         let fp = [7u8; 32];
         store.claim(req("k", &fp, Duration::from_secs(5))).await
     });
-    wait_until(
-        "our claim waits for the row lock",
-        Duration::from_secs(10),
-        || async {
-            db.query_one(
-                "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-                == 1
-        },
-    )
-    .await;
+    wait_for_a_lock_waiter(&db).await;
     tx.commit().await.unwrap();
 
     match ours.await.unwrap().unwrap() {

@@ -463,6 +463,27 @@ pub async fn wakeups_flow(gw: &TestGateway) {
     .await;
 }
 
+/// Waits until one session of the current database waits for a lock (a claim blocked
+/// behind an uncommitted transaction).
+pub async fn wait_for_a_lock_waiter(db: &tokio_postgres::Client) {
+    wait_until(
+        "a statement waits for a row lock",
+        Duration::from_secs(10),
+        || async {
+            db.query_one(
+                "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+                == 1
+        },
+    )
+    .await;
+}
+
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where
