@@ -176,10 +176,39 @@ pub async fn gc(path: &Path) -> Result<crate::store::GcRun, CommandError> {
 /// `idemgate check`: validate and print the resolved routes.
 pub fn check(path: &Path) -> Result<String, CommandError> {
     let config = Config::load(path)?;
-    let mut out = format!("{}: ok\nlisten {}\n", path.display(), config.listen);
+    let mut out = format!(
+        "{}: ok\nlisten {}{}\n",
+        path.display(),
+        config.listen,
+        if config.server.tls.is_some() {
+            " (TLS)"
+        } else {
+            ""
+        }
+    );
     if let Some(a) = &config.admin {
-        out.push_str(&format!("admin  {}\n", a.listen));
+        out.push_str(&format!(
+            "admin  {}{}\n",
+            a.listen,
+            if a.token.is_some() {
+                " (key API needs the bearer token)"
+            } else {
+                ""
+            }
+        ));
     }
+    let store = match &config.store {
+        StoreConfig::Postgres(pg) => format!(
+            "store  postgres (pool {}, acquire {}, statement {}, tls {:?})",
+            pg.pool_size,
+            fmt_duration(pg.acquire_timeout),
+            fmt_duration(pg.statement_timeout),
+            pg.tls
+        ),
+        StoreConfig::Sqlite(sq) => format!("store  sqlite {}", sq.path.display()),
+    };
+    out.push_str(&store);
+    out.push('\n');
     for (name, up) in &config.upstreams {
         out.push_str(&format!(
             "upstream {name}: {} (connect {}, timeout {})\n",
@@ -232,6 +261,13 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
                     idem.on_unknown_outcome,
                     idem.on_store_error,
                 ));
+                if let Some(ser) = &idem.serialize {
+                    out.push_str(&format!(
+                        "  serialize: {} in flight per scope, wait {}\n",
+                        ser.max_in_flight,
+                        fmt_duration(ser.wait_timeout)
+                    ));
+                }
             }
         }
     }
