@@ -102,27 +102,12 @@ async fn thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_ans
     })
     .await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
-    let c = client();
-    let tasks: Vec<_> = (0..30)
-        .map(|_| {
-            let c = c.clone();
-            let url = gw.url("/pay");
-            tokio::spawn(async move {
-                send(
-                    &c,
-                    Method::POST,
-                    &url,
-                    &[("idempotency-key", "storm"), ("x-account-id", "acct-1")],
-                    r#"{"event_id":"storm","amount":5}"#,
-                )
-                .await
-            })
-        })
-        .collect();
-    let mut replies = Vec::new();
-    for t in tasks {
-        replies.push(t.await.unwrap());
-    }
+    let replies = at_once(
+        &[gw.url("/pay")],
+        vec![("acct-1".to_string(), "storm".to_string()); 30],
+        r#"{"event_id":"storm","amount":5}"#,
+    )
+    .await;
     assert_eq!(up.executions(), 1, "one execution for 30 duplicates");
     for r in &replies {
         assert_eq!(r.status, 201, "every duplicate gets the 2xx: {r:?}");

@@ -283,26 +283,12 @@ async fn thirty_retries_racing_for_an_expired_lease_take_it_over_once() {
     let gw = TestGateway::start(&yaml, &db).await;
     crashed_claim(&gw, "race", "x", Duration::from_millis(200)).await;
     lease_expired(&gw, "race").await;
-    let c = client();
-    let tasks: Vec<_> = (0..30)
-        .map(|_| {
-            let (c, url) = (c.clone(), gw.url("/pay"));
-            tokio::spawn(async move {
-                send(
-                    &c,
-                    Method::POST,
-                    &url,
-                    &[("idempotency-key", "race"), ("x-account-id", "a")],
-                    "x",
-                )
-                .await
-            })
-        })
-        .collect();
-    let mut replies = Vec::new();
-    for t in tasks {
-        replies.push(t.await.unwrap());
-    }
+    let replies = at_once(
+        &[gw.url("/pay")],
+        vec![("a".to_string(), "race".to_string()); 30],
+        "x",
+    )
+    .await;
     for r in &replies {
         assert_eq!(
             r.status, 201,
