@@ -4,14 +4,19 @@
 //! - `GET /metrics`: Prometheus text (see `metrics.rs`).
 //! - `GET /healthz`: 200 while the process serves.
 //! - `GET /readyz`: 200 when the store answers and its migrations are applied, else 503.
-//! - `GET /v1/keys?scope=S&key=K`: the row as JSON (404 when absent).
-//! - `DELETE /v1/keys?scope=S&key=K`: deletes the row whatever its state (releases a held or
-//!   stuck key), 204, or 404 when absent.
+//! - `GET /v1/keys?scope=S&key=K[&route=R]`: the row as JSON (404 when absent). `S` is the
+//!   scope value the client sent; `R` chooses among routes whose scopes share that value
+//!   (400 when it is ambiguous without it; see `keys.rs`).
+//! - `DELETE /v1/keys?scope=S&key=K[&route=R][&force=true]`: deletes the row (releases a held
+//!   or stuck key), 204, or 404 when absent. A key in flight under a live lease is refused
+//!   with 409 `key-in-flight` unless forced; a forced delete of one is logged and counted
+//!   (`idemgate_leases_total{event="force_deleted"}`). This instance's replay cache forgets
+//!   the key at once; other instances' caches on the NOTIFY.
 //!
-//! With `admin.token` set, the key API requires `Authorization: Bearer <token>` (401
-//! without it, compared in constant time); metrics and health stay open, so bind the
-//! listener to a private address. The token is read from the configuration in force, so a
-//! reload can rotate it.
+//! With `admin.token` set, the key API requires `Authorization: Bearer <token>` (the scheme
+//! in any case; 401 without it, compared in constant time); metrics and health stay open.
+//! A non-loopback `admin.listen` requires a token (a config error otherwise). The token is
+//! read from the configuration in force, so a reload can rotate it.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -27,6 +32,7 @@ use tokio::net::TcpListener;
 
 use crate::forward::{Body, full};
 use crate::gateway::Gateway;
+use crate::keys::LookupError;
 use crate::store::KeyInfo;
 
 /// Serves the admin API until `shutdown` resolves.
@@ -84,6 +90,7 @@ pub fn key_json(info: &KeyInfo) -> serde_json::Value {
         "lease_expires_at": info.lease_expires_at,
         "expires_at": info.expires_at,
         "fingerprint": info.fingerprint_hex,
+        "key_id": crate::wait::key_id(&info.scope, &info.key),
     })
 }
 
@@ -93,16 +100,25 @@ fn authorized(req: &Request<Incoming>, token: Option<&str>) -> bool {
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
-    // Constant time in the token's length: no early exit on the first differing byte.
-    given.len() == token.len()
-        && given
-            .bytes()
-            .zip(token.bytes())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-            == 0
+        .map(|v| bearer(v.as_bytes()))
+        .unwrap_or_default();
+    // Constant time in the token's length (RFC 6750: the scheme is case-insensitive).
+    use subtle::ConstantTimeEq;
+    bool::from(given.ct_eq(token.as_bytes()))
+}
+
+/// The credentials of a `Bearer` authorization (the scheme matched in any case), or empty.
+fn bearer(value: &[u8]) -> &[u8] {
+    let Some(space) = value.iter().position(|&b| b == b' ') else {
+        return &[];
+    };
+    let (scheme, rest) = value.split_at(space);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return &[];
+    }
+    let rest = &rest[1..];
+    let start = rest.iter().position(|&b| b != b' ').unwrap_or(rest.len());
+    &rest[start..]
 }
 
 async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
@@ -147,41 +163,56 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
                     serde_json::json!({"error": "give both scope and key query parameters"}),
                 );
             };
-            let unavailable = |e: crate::store::StoreError| {
-                json(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    serde_json::json!({"error": e.to_string()}),
-                )
-            };
-            if m == Method::GET {
-                match store.inspect(&scope, &key).await {
-                    Ok(Some(info)) => json(StatusCode::OK, key_json(&info)),
-                    Ok(None) => json(
-                        StatusCode::NOT_FOUND,
-                        serde_json::json!({"error": "no such key"}),
-                    ),
-                    Err(e) => unavailable(e),
-                }
+            let route = query_param(query, "route");
+            let route = route.as_deref();
+            let force = query_param(query, "force").is_some_and(|v| v == "true" || v == "1");
+            let found = if m == Method::GET {
+                crate::keys::find(store, &config, &scope, &key, route)
+                    .await
+                    .map(|info| json(StatusCode::OK, key_json(&info)))
             } else {
-                match store.delete(&scope, &key).await {
-                    Ok(true) => {
+                crate::keys::delete(store, &config, &scope, &key, route, force)
+                    .await
+                    .map(|(info, live_lease)| {
+                        // Our own replay cache forgets the key now, not on the NOTIFY.
+                        store
+                            .wakeups()
+                            .wake(&crate::wait::key_id(&info.scope, &key));
+                        if live_lease {
+                            gateway.metrics().lease(&info.route, "force_deleted");
+                        }
                         let mut r = Response::new(full(Bytes::new()));
                         *r.status_mut() = StatusCode::NO_CONTENT;
                         r
-                    }
-                    Ok(false) => json(
-                        StatusCode::NOT_FOUND,
-                        serde_json::json!({"error": "no such key"}),
-                    ),
-                    Err(e) => unavailable(e),
-                }
-            }
+                    })
+            };
+            found.unwrap_or_else(|e| lookup_error(&e))
         }
         _ => json(
             StatusCode::NOT_FOUND,
             serde_json::json!({"error": "not found"}),
         ),
     }
+}
+
+/// An operator's lookup that found no single key, as an answer.
+fn lookup_error(e: &LookupError) -> Response<Body> {
+    let status = match e {
+        LookupError::NotFound { .. } => StatusCode::NOT_FOUND,
+        LookupError::Ambiguous { .. } | LookupError::UnknownRoute(_) => StatusCode::BAD_REQUEST,
+        LookupError::InFlight { .. } => {
+            return crate::problem::Problem {
+                status: StatusCode::CONFLICT,
+                slug: "key-in-flight",
+                title: "Key in flight",
+                detail: format!("{e}; add force=true to delete it anyway."),
+                retry_after: None,
+            }
+            .into_response();
+        }
+        LookupError::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    json(status, serde_json::json!({"error": e.to_string()}))
 }
 
 /// One query parameter, percent-decoded (`+` is a space).
@@ -221,6 +252,15 @@ fn percent_decode(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer(b"Bearer abc"), b"abc");
+        assert_eq!(bearer(b"bearer abc"), b"abc");
+        assert_eq!(bearer(b"BEARER  abc"), b"abc");
+        assert_eq!(bearer(b"Basic abc"), b"");
+        assert_eq!(bearer(b"Bearerabc"), b"");
+    }
 
     #[test]
     fn query_params_are_decoded() {

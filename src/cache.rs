@@ -15,6 +15,10 @@
 //! - It is bounded by bytes (`replay_cache.max_bytes`); the oldest entries go first.
 //! - A hit requires the same fingerprint; anything else goes to the store, which decides
 //!   (a different fingerprint is a 422 there).
+//! - A fill is conditional on the cache's epoch ([`ReplayCache::epoch`], read before the
+//!   store read that produced the response), and the check and the insert happen under the
+//!   same lock as every eviction, which bumps the epoch: a delete's eviction that lands
+//!   between the store read and the fill always wins.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -52,6 +56,8 @@ pub struct ReplayCache {
     inner: Mutex<Inner>,
     /// Replays answered from memory.
     pub hits: std::sync::atomic::AtomicU64,
+    /// Bumped, under the `inner` lock, by every eviction and clear.
+    epoch: std::sync::atomic::AtomicU64,
 }
 
 impl ReplayCache {
@@ -61,6 +67,7 @@ impl ReplayCache {
             max_bytes,
             inner: Mutex::default(),
             hits: Default::default(),
+            epoch: Default::default(),
         }
     }
 
@@ -88,9 +95,20 @@ impl ReplayCache {
         hit
     }
 
-    /// Caches a committed response until `expires`.
+    /// The epoch to pass to [`ReplayCache::put`]: read it before the store read.
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn bump(&self) {
+        self.epoch.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Caches a committed response until `expires`, unless an eviction happened since
+    /// `epoch` was read (it may have been about this very key).
     pub fn put(
         &self,
+        epoch: u64,
         id: String,
         fingerprint: Fingerprint,
         response: StoredResponse,
@@ -108,6 +126,9 @@ impl ReplayCache {
             return;
         }
         let mut inner = self.inner.lock().expect("cache lock");
+        if self.epoch() != epoch {
+            return;
+        }
         inner.generation += 1;
         let generation = inner.generation;
         if let Some(old) = inner.map.remove(&id) {
@@ -148,6 +169,7 @@ impl ReplayCache {
     /// Evicts one key (an announcement about it arrived).
     pub fn invalidate(&self, id: &str) {
         let mut inner = self.inner.lock().expect("cache lock");
+        self.bump();
         if let Some(old) = inner.map.remove(id) {
             inner.bytes -= old.size;
         }
@@ -156,6 +178,7 @@ impl ReplayCache {
     /// Drops everything (announcements stopped: deletes may be missed).
     pub fn clear(&self) {
         let mut inner = self.inner.lock().expect("cache lock");
+        self.bump();
         inner.map.clear();
         inner.order.clear();
         inner.bytes = 0;
@@ -184,13 +207,26 @@ mod tests {
     async fn hits_need_the_same_fingerprint_and_an_unexpired_entry() {
         let c = ReplayCache::new(1 << 20);
         let later = Instant::now() + Duration::from_secs(60);
-        c.put("k".into(), [1; 32], resp(10), later);
+        c.put(c.epoch(), "k".into(), [1; 32], resp(10), later);
         assert!(c.get("k", &[1; 32]).is_some());
         assert!(c.get("k", &[2; 32]).is_none());
-        c.put("gone".into(), [1; 32], resp(10), Instant::now());
+        c.put(c.epoch(), "gone".into(), [1; 32], resp(10), Instant::now());
         assert!(c.get("gone", &[1; 32]).is_none());
         c.invalidate("k");
         assert!(c.get("k", &[1; 32]).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_fill_read_before_an_eviction_is_dropped() {
+        let c = ReplayCache::new(1 << 20);
+        let later = Instant::now() + Duration::from_secs(60);
+        let epoch = c.epoch();
+        // An operator's delete of another or the same key lands after the store read.
+        c.invalidate("k");
+        c.put(epoch, "k".into(), [1; 32], resp(10), later);
+        assert!(c.get("k", &[1; 32]).is_none(), "a stale fill never lands");
+        c.put(c.epoch(), "k".into(), [1; 32], resp(10), later);
+        assert!(c.get("k", &[1; 32]).is_some());
     }
 
     #[tokio::test]
@@ -198,13 +234,13 @@ mod tests {
         let c = ReplayCache::new(3 * (ENTRY_OVERHEAD + 1 + 1000));
         let later = Instant::now() + Duration::from_secs(60);
         for k in ["a", "b", "c", "d"] {
-            c.put(k.into(), [1; 32], resp(1000), later);
+            c.put(c.epoch(), k.into(), [1; 32], resp(1000), later);
         }
         assert!(c.get("a", &[1; 32]).is_none(), "the oldest went first");
         assert!(c.get("d", &[1; 32]).is_some());
         assert!(c.bytes() <= 3 * (ENTRY_OVERHEAD + 1 + 1000));
         let disabled = ReplayCache::new(0);
-        disabled.put("a".into(), [1; 32], resp(1), later);
+        disabled.put(0, "a".into(), [1; 32], resp(1), later);
         assert!(disabled.get("a", &[1; 32]).is_none());
     }
 }

@@ -21,6 +21,8 @@ pub enum CommandError {
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("{0}")]
+    Lookup(#[from] crate::keys::LookupError),
+    #[error("{0}")]
     Other(String),
 }
 
@@ -29,7 +31,10 @@ impl CommandError {
     pub fn exit_code(&self) -> u8 {
         match self {
             CommandError::Config(_) => 64,
-            CommandError::Store(_) | CommandError::Io(_) | CommandError::Other(_) => 1,
+            CommandError::Store(_)
+            | CommandError::Io(_)
+            | CommandError::Lookup(_)
+            | CommandError::Other(_) => 1,
         }
     }
 }
@@ -51,6 +56,9 @@ pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
 /// `idemgate serve`: migrate, then serve until SIGTERM/SIGINT; SIGHUP reloads `path`.
 /// `config` is `path` already loaded (the caller set up logging from it).
 pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
+    for warning in config.warnings() {
+        tracing::warn!("{warning}");
+    }
     let config = Arc::new(config);
     let store = open_store(&config)?;
     // Migrate before serving when the store answers; when it does not, serve anyway (keyed
@@ -176,6 +184,9 @@ pub async fn gc(path: &Path) -> Result<crate::store::GcRun, CommandError> {
 /// `idemgate check`: validate and print the resolved routes.
 pub fn check(path: &Path) -> Result<String, CommandError> {
     let config = Config::load(path)?;
+    for warning in config.warnings() {
+        eprintln!("idemgate: warning: {warning}");
+    }
     let mut out = format!(
         "{}: ok\nlisten {}{}\n",
         path.display(),
@@ -281,30 +292,30 @@ pub async fn migrate(path: &Path) -> Result<usize, CommandError> {
     Ok(store.migrate().await?)
 }
 
-/// `idemgate keys show`: the row as JSON, or an error when absent.
-pub async fn keys_show(path: &Path, scope: &str, key: &str) -> Result<String, CommandError> {
+/// `idemgate keys show`: the row as JSON, or an error when absent or ambiguous.
+pub async fn keys_show(
+    path: &Path,
+    scope: &str,
+    key: &str,
+    route: Option<&str>,
+) -> Result<String, CommandError> {
     let config = Config::load(path)?;
     let store = open_store(&config)?;
-    match store.inspect(scope, key).await? {
-        Some(info) => {
-            Ok(serde_json::to_string_pretty(&crate::admin::key_json(&info))
-                .expect("JSON serializes"))
-        }
-        None => Err(CommandError::Other(format!(
-            "no key '{key}' in scope '{scope}'"
-        ))),
-    }
+    let info = crate::keys::find(store.as_ref(), &config, scope, key, route).await?;
+    Ok(serde_json::to_string_pretty(&crate::admin::key_json(&info)).expect("JSON serializes"))
 }
 
-/// `idemgate keys delete`: deletes the row whatever its state.
-pub async fn keys_delete(path: &Path, scope: &str, key: &str) -> Result<(), CommandError> {
+/// `idemgate keys delete`: deletes the row; one in flight under a live lease only with
+/// `force` (exit 1 otherwise).
+pub async fn keys_delete(
+    path: &Path,
+    scope: &str,
+    key: &str,
+    route: Option<&str>,
+    force: bool,
+) -> Result<(), CommandError> {
     let config = Config::load(path)?;
     let store = open_store(&config)?;
-    if store.delete(scope, key).await? {
-        Ok(())
-    } else {
-        Err(CommandError::Other(format!(
-            "no key '{key}' in scope '{scope}'"
-        )))
-    }
+    crate::keys::delete(store.as_ref(), &config, scope, key, route, force).await?;
+    Ok(())
 }

@@ -96,6 +96,7 @@ struct RawServer {
     header_read_timeout: Option<String>,
     body_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
+    max_buffered_bytes: Option<RawSize>,
     tls: Option<RawServerTls>,
 }
 
@@ -158,6 +159,7 @@ struct RawUpstream {
     url: String,
     connect_timeout: Option<String>,
     timeout: Option<String>,
+    max_in_flight: Option<usize>,
     tls: Option<RawCaOnly>,
 }
 
@@ -298,6 +300,9 @@ pub struct ServerConfig {
     pub body_read_timeout: Duration,
     /// Time in-flight requests get to finish after SIGTERM/SIGINT.
     pub shutdown_grace: Duration,
+    /// Request bodies and captured responses held in memory at once, across all requests
+    /// (SPEC 8.2); past it new requests get 503 `overloaded`.
+    pub max_buffered_bytes: usize,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
     pub tls: Option<TlsFiles>,
 }
@@ -375,6 +380,8 @@ pub struct UpstreamConfig {
     /// Bound on the whole exchange: sending the request and reading the response head (and,
     /// for keyed requests, the body that is stored).
     pub timeout: Duration,
+    /// Requests being forwarded to this upstream at once, detached work included (SPEC 8.2).
+    pub max_in_flight: usize,
     /// CA file that verifies an `https` upstream (the system bundle without one).
     pub tls_ca: Option<std::path::PathBuf>,
 }
@@ -396,10 +403,34 @@ pub enum PathMatch {
 }
 
 impl PathMatch {
+    /// Whether a normalized request path matches (SPEC section 8.1): an exact path with or
+    /// without one trailing slash; a prefix on a segment boundary (`/api` matches `/api` and
+    /// `/api/x`, never `/apix`). Configured paths are normalized at load, and a prefix is
+    /// kept without its trailing slash (`/` stays `/`).
     pub fn matches(&self, path: &str) -> bool {
         match self {
-            PathMatch::Exact(p) => path == p,
-            PathMatch::Prefix(p) => path.starts_with(p.as_str()),
+            PathMatch::Exact(p) => {
+                let p = p.strip_suffix('/').filter(|s| !s.is_empty()).unwrap_or(p);
+                let path = path
+                    .strip_suffix('/')
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or(path);
+                path == p
+            }
+            PathMatch::Prefix(p) if p == "/" => true,
+            PathMatch::Prefix(p) => path
+                .strip_prefix(p.as_str())
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')),
+        }
+    }
+
+    /// The path a matched request is fingerprinted and forwarded with: an exact route's
+    /// configured spelling (so `/a` and `/a/` are one request), a prefix route's request
+    /// path as normalized.
+    pub fn canonical<'a>(&'a self, path: &'a str) -> &'a str {
+        match self {
+            PathMatch::Exact(p) => p,
+            PathMatch::Prefix(_) => path,
         }
     }
 }
@@ -520,6 +551,8 @@ pub mod defaults {
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const MAX_BUFFERED_BYTES: usize = 256 * 1024 * 1024;
+    pub const UPSTREAM_MAX_IN_FLIGHT: usize = 1024;
     pub const POOL_SIZE: usize = 16;
     pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
@@ -558,6 +591,38 @@ pub mod defaults {
 // ---------------------------------------------------------------------------------------------
 
 impl Config {
+    /// Settings that are valid but likely wrong, for `check` and `serve` to print at load:
+    /// a `shutdown_grace` shorter than a keyed upstream's `timeout` plus the time to record
+    /// its answer cuts such forwards at every rolling deploy, and their keys are forwarded
+    /// again by the next attempt (or held).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let record = self.store.record_bound();
+        let mut seen = std::collections::BTreeSet::new();
+        for route in &self.routes {
+            if route.idempotency.is_none() || !seen.insert(route.upstream.as_str()) {
+                continue;
+            }
+            let Some(up) = self.upstreams.get(&route.upstream) else {
+                continue;
+            };
+            let needed = up.timeout + record;
+            if self.server.shutdown_grace < needed {
+                out.push(format!(
+                    "server.shutdown_grace ({}) is shorter than upstreams.{}.timeout plus the \
+                     time to record an answer ({}): a shutdown can cut a keyed forward, and its \
+                     key is then forwarded again (or held) by the next attempt; raise \
+                     shutdown_grace to at least {}",
+                    fmt_duration(self.server.shutdown_grace),
+                    up.name,
+                    fmt_duration(needed),
+                    fmt_duration(needed),
+                ));
+            }
+        }
+        out
+    }
+
     /// The first route in file order that matches (SPEC section 2, step 1).
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
         self.routes.iter().find(|r| r.matches(method, path))
@@ -792,8 +857,18 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                     "must be at least 16 characters (it guards the key API)",
                 ));
             }
+            let listen = socket_addr("admin.listen", &a.listen)?;
+            if !listen.ip().is_loopback() && a.token.is_none() {
+                return Err(invalid(
+                    "admin.token",
+                    format!(
+                        "is required when admin.listen ({listen}) is not a loopback address: \
+                         the key API can release and delete keys"
+                    ),
+                ));
+            }
             Some(AdminConfig {
-                listen: socket_addr("admin.listen", &a.listen)?,
+                listen,
                 token: a.token,
             })
         }
@@ -845,8 +920,16 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             raw.server.shutdown_grace.as_ref(),
             defaults::SHUTDOWN_GRACE,
         )?,
+        max_buffered_bytes: size_or(
+            "server.max_buffered_bytes",
+            raw.server.max_buffered_bytes.as_ref(),
+            defaults::MAX_BUFFERED_BYTES,
+        )?,
         tls: server_tls,
     };
+    if server.max_buffered_bytes == 0 {
+        return Err(invalid("server.max_buffered_bytes", "must be at least 1"));
+    }
 
     let store = match (raw.store.postgres, raw.store.sqlite) {
         (None, None) => {
@@ -994,21 +1077,44 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         if url.query().is_some() {
             return Err(invalid(format!("{base}.url"), "must not have a query"));
         }
+        let timeout = duration_or(
+            &format!("{base}.timeout"),
+            up.timeout.as_ref(),
+            defaults::UPSTREAM_TIMEOUT,
+        )?;
+        // Unset, it is the default or half of `timeout`, whichever is shorter.
+        let connect_timeout = duration_or(
+            &format!("{base}.connect_timeout"),
+            up.connect_timeout.as_ref(),
+            defaults::UPSTREAM_CONNECT_TIMEOUT.min(timeout / 2),
+        )?;
+        // A connect that runs into `timeout` would be reported as a timeout (outcome
+        // unknown) although nothing was sent; so connecting must give up first.
+        if connect_timeout >= timeout {
+            return Err(invalid(
+                format!("{base}.connect_timeout"),
+                format!(
+                    "must be shorter than {base}.timeout ({}), so a failed connect is told \
+                     apart from a request that may have been processed",
+                    fmt_duration(timeout)
+                ),
+            ));
+        }
+        let max_in_flight = up.max_in_flight.unwrap_or(defaults::UPSTREAM_MAX_IN_FLIGHT);
+        if max_in_flight == 0 {
+            return Err(invalid(
+                format!("{base}.max_in_flight"),
+                "must be at least 1",
+            ));
+        }
         upstreams.insert(
             name.clone(),
             UpstreamConfig {
                 name: name.clone(),
                 url,
-                connect_timeout: duration_or(
-                    &format!("{base}.connect_timeout"),
-                    up.connect_timeout.as_ref(),
-                    defaults::UPSTREAM_CONNECT_TIMEOUT,
-                )?,
-                timeout: duration_or(
-                    &format!("{base}.timeout"),
-                    up.timeout.as_ref(),
-                    defaults::UPSTREAM_TIMEOUT,
-                )?,
+                connect_timeout,
+                timeout,
+                max_in_flight,
                 tls_ca,
             },
         );
@@ -1050,13 +1156,26 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 ));
             }
         };
-        let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
-        if !p.starts_with('/') {
-            return Err(invalid(
-                format!("{base}.match"),
-                "paths must start with '/'",
-            ));
-        }
+        let path = {
+            let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
+            if !p.starts_with('/') {
+                return Err(invalid(
+                    format!("{base}.match"),
+                    "paths must start with '/'",
+                ));
+            }
+            // Requests are matched in normal form (SPEC 8.1), so the configured path is too.
+            let normal = crate::path::normalize(p)
+                .map_err(|e| invalid(format!("{base}.match"), e.to_string()))?
+                .into_owned();
+            match path {
+                PathMatch::Exact(_) => PathMatch::Exact(normal),
+                PathMatch::Prefix(_) => {
+                    let trimmed = normal.strip_suffix('/').filter(|s| !s.is_empty());
+                    PathMatch::Prefix(trimmed.map(str::to_string).unwrap_or(normal))
+                }
+            }
+        };
         let route_methods = match &r.matcher.methods {
             None => None,
             Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
@@ -1070,6 +1189,18 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 store.record_bound(),
             )?),
         };
+        if let Some(idem) = &idempotency
+            && idem.max_request_body > server.max_buffered_bytes
+        {
+            return Err(invalid(
+                format!("{base}.idempotency.max_request_body"),
+                format!(
+                    "must not be larger than server.max_buffered_bytes ({} bytes): such a \
+                     body could never be admitted",
+                    server.max_buffered_bytes
+                ),
+            ));
+        }
         routes.push(Route {
             name: r.name,
             path,

@@ -104,10 +104,17 @@ pub struct Upstreams {
 pub struct UpstreamClient {
     pub config: UpstreamConfig,
     client: Client<HttpsConnector<HttpConnector>, Body>,
+    /// `max_in_flight`: shared with the clients a reload builds for the same upstream name.
+    pub limit: std::sync::Arc<crate::limits::UpstreamLimit>,
 }
 
 impl Upstreams {
-    pub fn new<'a>(configs: impl IntoIterator<Item = &'a UpstreamConfig>) -> Upstreams {
+    /// One client per upstream; `limit` gives each its admission counter by name (the same
+    /// counter across reloads, so requests admitted before a reload still count).
+    pub fn new<'a>(
+        configs: impl IntoIterator<Item = &'a UpstreamConfig>,
+        limit: impl Fn(&UpstreamConfig) -> std::sync::Arc<crate::limits::UpstreamLimit>,
+    ) -> Upstreams {
         let clients = configs
             .into_iter()
             .map(|cfg| {
@@ -140,6 +147,7 @@ impl Upstreams {
                     UpstreamClient {
                         config: cfg.clone(),
                         client,
+                        limit: limit(cfg),
                     },
                 )
             })
@@ -253,9 +261,19 @@ impl UpstreamClient {
     }
 }
 
-/// Cleans an upstream response's headers for the client.
+/// Headers only the gateway may say (SPEC 8.1): an upstream's own are dropped.
+const GATEWAY_ONLY: [HeaderName; 2] = [
+    HeaderName::from_static("idempotent-replayed"),
+    HeaderName::from_static("idempotency-status"),
+];
+
+/// Cleans an upstream response's headers for the client: hop-by-hop headers, and the
+/// headers by which the gateway says a response is a replay or bypassed its store.
 pub fn clean_response_headers(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
+    for name in &GATEWAY_ONLY {
+        headers.remove(name);
+    }
 }
 
 /// An error and its causes on one line, for logs.

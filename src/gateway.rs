@@ -10,6 +10,12 @@
 //!   does not cancel the upstream call, and the outcome is still recorded.
 //! - A storable first answer is committed before it is sent (guarantee 3). If it cannot be
 //!   committed, the client gets 503 and the key stays in flight until its lease ends.
+//! - The path is normalized once (`path.rs`), before routing; the normalized (for an exact
+//!   route, the configured) spelling is what is matched, fingerprinted and forwarded.
+//! - Every forwarded request is admitted first (`limits.rs`): an upstream slot and its body's
+//!   bytes, taken before the body is read and before any claim, held until the forward ends.
+//! - A keyed request from its claim on is one spawned task, awaited by its `JoinHandle`: a
+//!   client that hangs up does not cancel it, and a task that panics is a 500 `internal`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -32,6 +38,7 @@ use crate::forward::{
     stream,
 };
 use crate::key::{JsonBody, KeyScope, extract};
+use crate::limits::{Admission, ByteBudget, UpstreamLimit};
 use crate::metrics::{Metrics, outcome};
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
@@ -58,6 +65,10 @@ pub struct Gateway {
     jobs: Arc<Jobs>,
     serializer: Serializer,
     metrics: Arc<Metrics>,
+    /// Admission counters by upstream name, kept across reloads.
+    limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
+    /// `server.max_buffered_bytes` (a restart applies a change).
+    budget: Arc<ByteBudget>,
 }
 
 /// One configuration and the upstream clients built from it.
@@ -67,8 +78,8 @@ pub struct Routing {
 }
 
 impl Routing {
-    fn new(config: Arc<Config>) -> Routing {
-        let upstreams = Upstreams::new(config.upstreams.values());
+    fn new(config: Arc<Config>, gateway_limits: &LimitRegistry<'_>) -> Routing {
+        let upstreams = Upstreams::new(config.upstreams.values(), |up| gateway_limits.get(up));
         Routing { config, upstreams }
     }
 
@@ -77,6 +88,30 @@ impl Routing {
         let idem = route.idempotency.as_ref()?;
         let upstream = self.upstreams.get(&route.upstream)?;
         Some((route, idem, upstream))
+    }
+}
+
+/// Hands out each upstream's admission counter, the same one across reloads.
+struct LimitRegistry<'a> {
+    limits: &'a std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
+    metrics: &'a Metrics,
+}
+
+impl LimitRegistry<'_> {
+    fn get(&self, up: &crate::config::UpstreamConfig) -> Arc<UpstreamLimit> {
+        let mut limits = self.limits.lock().expect("limits lock");
+        let limit = limits.entry(up.name.clone()).or_insert_with(|| {
+            let gauge = self
+                .metrics
+                .upstream_in_flight
+                .get_or_create(&crate::metrics::UpstreamLabel {
+                    upstream: up.name.clone(),
+                })
+                .clone();
+            Arc::new(UpstreamLimit::new(up.max_in_flight, gauge))
+        });
+        limit.set_max(up.max_in_flight);
+        Arc::clone(limit)
     }
 }
 
@@ -144,13 +179,56 @@ impl Gateway {
             gauge: metrics.forwards_in_flight.clone(),
             ..Default::default()
         });
+        let budget = Arc::new(ByteBudget::new(
+            config.server.max_buffered_bytes,
+            metrics.buffered_bytes.clone(),
+        ));
+        let limits = std::sync::Mutex::default();
+        let routing = Routing::new(
+            config,
+            &LimitRegistry {
+                limits: &limits,
+                metrics: &metrics,
+            },
+        );
         Gateway {
-            routing: RwLock::new(Arc::new(Routing::new(config))),
+            routing: RwLock::new(Arc::new(routing)),
             store,
             jobs,
             serializer: Serializer::default(),
             metrics,
+            limits,
+            budget,
         }
+    }
+
+    /// Admits a request to `upstream` with `bytes` of body to buffer, or refuses it
+    /// (SPEC 8.2): nothing has been read, claimed or forwarded yet.
+    fn admit(&self, upstream: &UpstreamClient, bytes: usize) -> Result<Admission, GatewayError> {
+        let refuse = |bound: &'static str| {
+            self.metrics
+                .overloaded
+                .get_or_create(&crate::metrics::UpstreamBound {
+                    upstream: upstream.config.name.clone(),
+                    bound,
+                })
+                .inc();
+            GatewayError::Overloaded(bound)
+        };
+        let slot = upstream
+            .limit
+            .try_acquire()
+            .ok_or_else(|| refuse("max_in_flight"))?;
+        let bytes = self
+            .budget
+            .try_reserve(bytes)
+            .ok_or_else(|| refuse("max_buffered_bytes"))?;
+        Ok(Admission { slot, bytes })
+    }
+
+    /// The bytes held by request bodies and captured responses now.
+    pub fn buffered_bytes(&self) -> usize {
+        self.budget.used()
     }
 
     /// The routing snapshot in force now.
@@ -197,7 +275,14 @@ impl Gateway {
         if old.log_format != config.log_format {
             restart_needed.push("log");
         }
-        *self.routing.write().expect("routing lock") = Arc::new(Routing::new(Arc::new(config)));
+        let routing = Routing::new(
+            Arc::new(config),
+            &LimitRegistry {
+                limits: &self.limits,
+                metrics: &self.metrics,
+            },
+        );
+        *self.routing.write().expect("routing lock") = Arc::new(routing);
         Ok(restart_needed)
     }
 
@@ -289,15 +374,21 @@ impl Gateway {
     async fn route_request(
         self: &Arc<Self>,
         routing: &Arc<Routing>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         client: ClientInfo,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
-        let path = req.uri().path();
+        let raw = req.uri().path();
+        let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
         let route = routing
             .config
-            .route_for(req.method(), path)
+            .route_for(req.method(), &normal)
             .ok_or(GatewayError::NoRoute)?;
+        let canonical = route.path.canonical(&normal);
+        if canonical != raw {
+            let uri = with_path(req.uri(), canonical);
+            *req.uri_mut() = uri;
+        }
         log.route = Some(route.name.clone());
         let upstream = routing
             .upstreams
@@ -305,13 +396,26 @@ impl Gateway {
             .expect("validated config: every route names an upstream");
         match &route.idempotency {
             Some(idem) if idem.methods.contains(req.method()) => {
-                self.keyed(routing, route, idem, upstream, req, client, log)
+                // The body is buffered: reserve what it says it is (up to the route's limit,
+                // past which it is refused unread), or the whole limit when it does not say.
+                let declared = req
+                    .headers()
+                    .get(header::CONTENT_LENGTH)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok());
+                let reserve = declared.map_or(idem.max_request_body, |n| {
+                    usize::try_from(n)
+                        .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
+                });
+                let admission = self.admit(upstream, reserve)?;
+                self.keyed(routing, route, idem, upstream, req, client, log, admission)
                     .await
             }
             _ => {
+                let admission = self.admit(upstream, 0)?;
                 let (parts, body) = req.into_parts();
                 let out = upstream.prepare(parts, stream(body), &client, None);
-                proxy(upstream, out, log).await
+                proxy(upstream, out, log, admission).await
             }
         }
     }
@@ -326,6 +430,7 @@ impl Gateway {
         req: Request<Incoming>,
         client: ClientInfo,
         log: &mut RequestLog,
+        mut admission: Admission,
     ) -> Result<Response<Body>, GatewayError> {
         let (parts, body) = req.into_parts();
         let limit = routing.config.server.body_read_timeout;
@@ -335,17 +440,20 @@ impl Gateway {
         )
         .await
         .map_err(|_| GatewayError::BodyTimeout(limit))??;
+        admission.bytes.resize(body.len());
         let mut json = JsonBody::new(&body);
         let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
             // No key and none required: a plain forward.
             let out = upstream.prepare(parts, full(body), &client, None);
-            return proxy(upstream, out, log).await;
+            return proxy(upstream, out, log, admission).await;
         };
+        json.refuse_ambiguous(&parts.headers)?;
         let json_value = if idem.fingerprint.json_canonical {
             Some(json.get()?)
         } else {
             None
         };
+        // The path was normalized before routing (see `route_request`).
         let pq = parts
             .uri
             .path_and_query()
@@ -386,20 +494,10 @@ impl Gateway {
             id,
             fp,
             cache_epoch: cache.map(|(_, epoch)| epoch),
+            admission,
         };
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(async move {
-            let _ = tx.send(work.run().await);
-        });
-        let (result, outcome, upstream_took) = rx.await.unwrap_or_else(|_| {
-            (
-                Err(GatewayError::StoreAfterForward(StoreError::Db(
-                    "request task ended without an answer".into(),
-                ))),
-                outcome::STORE_UNAVAILABLE,
-                None,
-            )
-        });
+        // Awaited by its handle: dropping the handle (the client hung up) does not cancel it.
+        let (result, outcome, upstream_took) = joined(tokio::spawn(work.run()).await);
         log.outcome = outcome;
         log.upstream = upstream_took;
         result
@@ -466,6 +564,8 @@ struct KeyedWork {
     id: String,
     fp: Fingerprint,
     cache_epoch: Option<u64>,
+    /// The upstream slot and buffered bytes, held until this task ends.
+    admission: Admission,
 }
 
 /// What a keyed request ended as: the answer, its outcome name, the upstream's time.
@@ -489,6 +589,7 @@ impl KeyedWork {
             id,
             fp,
             cache_epoch,
+            admission,
         } = self;
         let (route, idem, upstream) = routing
             .route(&name)
@@ -514,11 +615,13 @@ impl KeyedWork {
                     key_id: None,
                     upstream: None,
                 };
-                let result = proxy(upstream, out, &mut log).await.map(|mut resp| {
-                    resp.headers_mut()
-                        .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
-                    resp
-                });
+                let result = proxy(upstream, out, &mut log, admission)
+                    .await
+                    .map(|mut resp| {
+                        resp.headers_mut()
+                            .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                        resp
+                    });
                 return (result, outcome::BYPASSED, log.upstream);
             }
             Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
@@ -559,6 +662,7 @@ impl KeyedWork {
                     // Our clock started before the statement that set the lease in database
                     // time, so this is never later than the real end of the lease.
                     lease_ends: claimed_at + idem.lease,
+                    admission,
                 };
                 let request = upstream.prepare(
                     parts,
@@ -566,7 +670,10 @@ impl KeyedWork {
                     &client,
                     Some((&idem.forward_key_header, &key)),
                 );
-                let (result, took) = job.spawn(request).await;
+                // Counted as a running job (shutdown waits for it) until its outcome is written.
+                let _guard = gateway.jobs.start();
+                let mut took = None;
+                let result = job.run(request, &mut took).await;
                 (result, outcome::FORWARDED, took)
             }
             Claim::Completed(stored, expires_in) => {
@@ -630,11 +737,42 @@ async fn read_body(
     }
 }
 
-/// A plain forward: the response streams back, bounded by the timeout on its head.
+/// The answer of a keyed request's task; a task that panicked or was cancelled is a bug,
+/// never blamed on the store or the upstream.
+fn joined(joined: Result<KeyedResult, tokio::task::JoinError>) -> KeyedResult {
+    joined.unwrap_or_else(|e| {
+        let why = if e.is_panic() {
+            "a keyed request's task panicked"
+        } else {
+            "a keyed request's task was cancelled"
+        };
+        tracing::error!(error = %e, "{why}");
+        (
+            Err(GatewayError::Internal(why.to_string())),
+            outcome::INTERNAL,
+            None,
+        )
+    })
+}
+
+/// `uri` with another path, its query kept.
+fn with_path(uri: &http::Uri, path: &str) -> http::Uri {
+    let pq = match uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path.to_string(),
+    };
+    let mut parts = uri.clone().into_parts();
+    parts.path_and_query = pq.parse().ok().or(parts.path_and_query);
+    http::Uri::from_parts(parts).unwrap_or_else(|_| uri.clone())
+}
+
+/// A plain forward: the response streams back, bounded by the timeout on its head. The
+/// admission is held by the response body until it has been passed on (or dropped).
 async fn proxy(
     upstream: &UpstreamClient,
     req: Request<Body>,
     log: &mut RequestLog,
+    admission: Admission,
 ) -> Result<Response<Body>, GatewayError> {
     let started = Instant::now();
     let sent = upstream.send(req).await;
@@ -643,11 +781,41 @@ async fn proxy(
         Ok(resp) => {
             let (mut parts, body) = resp.into_parts();
             clean_response_headers(&mut parts.headers);
-            Ok(Response::from_parts(parts, stream(body)))
+            let body = Admitted {
+                body: stream(body),
+                _admission: admission,
+            };
+            Ok(Response::from_parts(parts, body.boxed_unsync()))
         }
         Err(UpstreamError::Connect(e)) => Err(GatewayError::UpstreamUnavailable(e)),
         Err(UpstreamError::Timeout) => Err(GatewayError::UpstreamTimeout),
         Err(UpstreamError::Failed(e)) => Err(GatewayError::UpstreamFailed(e)),
+    }
+}
+
+/// A response body that holds its request's admission until it is done with.
+struct Admitted {
+    body: Body,
+    _admission: Admission,
+}
+
+impl hyper::body::Body for Admitted {
+    type Data = Bytes;
+    type Error = crate::forward::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -662,40 +830,19 @@ struct ForwardJob {
     token: LeaseToken,
     /// Local time by which the lease has surely ended; no write is attempted after it.
     lease_ends: Instant,
+    /// The upstream slot and buffered bytes; a captured response is added as it arrives.
+    admission: Admission,
 }
 
 /// How many times a completion is attempted before the client is told it failed.
 const FINISH_ATTEMPTS: u32 = 3;
 
 impl ForwardJob {
-    /// Runs the job in its own task and waits for its answer. If the client goes away, the
-    /// task goes on and still records the outcome.
-    /// Also returns how long the upstream took, when it was called.
-    async fn spawn(
-        self,
-        request: Request<Body>,
-    ) -> (Result<Response<Body>, GatewayError>, Option<Duration>) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let guard = self.gateway.jobs.start();
-        tokio::spawn(async move {
-            let mut took = None;
-            let result = self.run(request, &mut took).await;
-            drop(guard);
-            let _ = tx.send((result, took));
-        });
-        rx.await.unwrap_or_else(|_| {
-            (
-                Err(GatewayError::StoreAfterForward(StoreError::Db(
-                    "forward task ended without an answer".into(),
-                ))),
-                None,
-            )
-        })
-    }
-
     /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
+    /// Runs inside the keyed request's own task, so a client that goes away does not stop
+    /// it. Also sets how long the upstream took, when it was called.
     async fn run(
-        self,
+        mut self,
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
@@ -703,7 +850,8 @@ impl ForwardJob {
         let (_, idem, _) = routing
             .route(&self.route)
             .expect("the route of a claimed request exists");
-        let store = self.gateway.store.as_ref();
+        let gateway = Arc::clone(&self.gateway);
+        let store = gateway.store.as_ref();
         let held = match idem.serialize {
             None => None,
             Some(ser) => {
@@ -714,8 +862,7 @@ impl ForwardJob {
                 let last_start = self.lease_ends
                     - upstream.config.timeout
                     - self.routing.config.store.record_bound() * 2;
-                let got = self
-                    .gateway
+                let got = gateway
                     .serializer
                     .acquire(store, &self.scope, ser, idem.lease, last_start)
                     .await;
@@ -743,7 +890,7 @@ impl ForwardJob {
 
     /// Forwards once and records the outcome.
     async fn forward(
-        &self,
+        &mut self,
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
@@ -753,13 +900,14 @@ impl ForwardJob {
             .expect("the route of a claimed request exists");
         let started = Instant::now();
         let limit = idem.max_stored_response;
+        let held = &mut self.admission.bytes;
         let exchange = async {
             let resp = upstream.send(request).await?;
             let (parts, body) = resp.into_parts();
             if idem.retry_statuses.contains(parts.status.as_u16()) {
                 return Ok((parts, Captured::PassOn(body)));
             }
-            let captured = read_capped(body, limit).await?;
+            let captured = read_capped(body, limit, held).await?;
             Ok::<_, UpstreamError>((parts, captured))
         };
         let result = match tokio::time::timeout(upstream.config.timeout, exchange).await {
@@ -875,13 +1023,21 @@ enum Captured {
     TooLarge { head: Bytes, rest: Incoming },
 }
 
-async fn read_capped(mut body: Incoming, limit: usize) -> Result<Captured, UpstreamError> {
+/// Reads an upstream body up to `limit`, counting what it holds in `held` on top of the
+/// request body already counted there.
+async fn read_capped(
+    mut body: Incoming,
+    limit: usize,
+    held: &mut crate::limits::Reservation,
+) -> Result<Captured, UpstreamError> {
     use hyper::body::Body as _;
+    let base = held.bytes();
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
         if let Ok(data) = frame.into_data() {
             buf.extend_from_slice(&data);
+            held.resize(base + buf.len());
             if buf.len() > limit {
                 return Ok(Captured::TooLarge {
                     head: buf.freeze(),

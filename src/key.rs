@@ -6,6 +6,14 @@
 //! `Authorization` header is the SHA-256 of the header value, so the credential itself is
 //! never stored or logged. The body is parsed as JSON at most once per request, and only when
 //! a source needs it ([`JsonBody`]).
+//!
+//! Ambiguity is refused, never guessed (SPEC section 8.1): a key or scope header repeated
+//! with different values is 400, and a JSON body with a repeated member name anywhere is not
+//! JSON to the gateway (two parsers may read it two ways).
+//!
+//! Scopes from different sources never collide: the stored scope carries its source
+//! ([`namespaced`]: `header:`, `json:`, `fixed:`, `authz:`), so a client that sends
+//! `X-Account-Id: webhooks` cannot squat a key of a `fixed: webhooks` route.
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -29,19 +37,159 @@ impl<'a> JsonBody<'a> {
         JsonBody { raw, parsed: None }
     }
 
-    /// The parsed body, or `body-not-json`. serde_json's recursion limit (128) bounds nesting.
+    /// The parsed body, or `body-not-json` (not JSON, or a member name repeated in one
+    /// object). serde_json's recursion limit (128) bounds nesting.
     pub fn get(&mut self) -> Result<&Value, GatewayError> {
         let raw = self.raw;
         self.parsed
-            .get_or_insert_with(|| serde_json::from_slice(raw).ok())
+            .get_or_insert_with(|| {
+                if has_duplicate_member(raw) == Some(true) {
+                    return None;
+                }
+                serde_json::from_slice(raw).ok()
+            })
             .as_ref()
             .ok_or(GatewayError::BodyNotJson)
+    }
+
+    /// Refuses a body that says it is JSON and repeats a member name, even where nothing is
+    /// read from it (the upstream's parser may read it another way than a fingerprint does).
+    pub fn refuse_ambiguous(&mut self, headers: &HeaderMap) -> Result<(), GatewayError> {
+        if self.parsed.is_none()
+            && is_json_content_type(headers)
+            && has_duplicate_member(self.raw) == Some(true)
+        {
+            self.parsed = Some(None);
+            return Err(GatewayError::BodyNotJson);
+        }
+        Ok(())
     }
 
     /// The parsed body if it was parsed already or parses now.
     pub fn value(&mut self) -> Option<&Value> {
         self.get().ok()
     }
+}
+
+/// Whether a JSON text repeats a member name in one of its objects: `Some(true)` if so,
+/// `Some(false)` if it is JSON without repeats, `None` if it is not JSON at all.
+pub fn has_duplicate_member(raw: &[u8]) -> Option<bool> {
+    use serde::de::Deserializer as _;
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    match de.deserialize_any(UniqueMembers).and_then(|()| de.end()) {
+        Ok(()) => Some(false),
+        Err(e) if e.is_data() => Some(true),
+        Err(_) => None,
+    }
+}
+
+/// A visitor that walks a JSON value and fails with a data error on a repeated member name.
+struct UniqueMembers;
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueMembers {
+    type Value = ();
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueMembers {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        // Objects are small: a vector beats a hash set until they are not.
+        let mut seen: Vec<std::borrow::Cow<'de, str>> = Vec::new();
+        while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if seen.contains(&name) {
+                return Err(serde::de::Error::custom("repeated member name"));
+            }
+            seen.push(name);
+            map.next_value_seed(UniqueMembers)?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(UniqueMembers)?.is_some() {}
+        Ok(())
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+}
+
+/// Whether a request says its body is JSON (`application/json` or `+json`).
+pub fn is_json_content_type(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .is_some_and(|mime| mime == "application/json" || mime.ends_with("+json"))
+}
+
+/// The stored form of a scope: its source, then the value (see the module docs).
+pub fn namespaced(source: &ScopeSource, value: &str) -> String {
+    let prefix = match source {
+        ScopeSource::Header(_) => "header:",
+        ScopeSource::Json(_) => "json:",
+        ScopeSource::Fixed(_) => "fixed:",
+        // The value is already the hash with its prefix.
+        ScopeSource::Authorization => return value.to_string(),
+    };
+    let mut s = String::with_capacity(prefix.len() + value.len());
+    s.push_str(prefix);
+    s.push_str(value);
+    s
+}
+
+/// The one value of a header that may appear once: `Ok(None)` when absent; `Err(())` when
+/// it is repeated with values that differ after `parse`.
+fn single_header<T: PartialEq>(
+    headers: &HeaderMap,
+    name: &http::HeaderName,
+    parse: impl Fn(&[u8]) -> Result<T, GatewayError>,
+) -> Result<Option<Result<T, GatewayError>>, ()> {
+    let mut all = headers.get_all(name).iter();
+    let Some(first) = all.next() else {
+        return Ok(None);
+    };
+    let value = parse(first.as_bytes());
+    for other in all {
+        if other.as_bytes() == first.as_bytes() {
+            continue;
+        }
+        match (&value, parse(other.as_bytes())) {
+            (Ok(a), Ok(b)) if *a == b => {}
+            _ => return Err(()),
+        }
+    }
+    Ok(Some(value))
 }
 
 /// Who the key belongs to and what it is.
@@ -64,8 +212,11 @@ pub fn extract(
             Ok(None)
         };
     };
-    let scope = scope(&idem.scope, headers, body)?;
-    Ok(Some(KeyScope { key, scope }))
+    let value = scope(&idem.scope, headers, body)?;
+    Ok(Some(KeyScope {
+        key,
+        scope: namespaced(&idem.scope, &value),
+    }))
 }
 
 fn find_key(
@@ -75,9 +226,14 @@ fn find_key(
 ) -> Result<Option<String>, GatewayError> {
     for source in &idem.key {
         let found = match source {
-            KeySource::Header(name) => match headers.get(name) {
-                None => None,
-                Some(v) => Some(parse_header_key(v.as_bytes())?),
+            KeySource::Header(name) => match single_header(headers, name, parse_header_key) {
+                Err(()) => {
+                    return Err(GatewayError::KeyInvalid(
+                        "is given more than once with different values",
+                    ));
+                }
+                Ok(None) => None,
+                Ok(Some(key)) => Some(key?),
             },
             KeySource::Json(ptr) => match body.get()?.pointer(ptr) {
                 None | Some(Value::Null) => None,
@@ -167,18 +323,34 @@ fn scope(
     let value = match source {
         ScopeSource::Fixed(name) => return Ok(name.clone()),
         ScopeSource::Authorization => {
-            let v = headers
-                .get(http::header::AUTHORIZATION)
+            let mut all = headers.get_all(http::header::AUTHORIZATION).iter();
+            let v = all
+                .next()
                 .filter(|v| !v.is_empty())
                 .ok_or(GatewayError::ScopeMissing { unauthorized: true })?;
+            if all.any(|other| other != v) {
+                return Err(GatewayError::ScopeInvalid(
+                    "header is given more than once with different values",
+                ));
+            }
             // Prefixed so a hashed credential can never equal a plain account id.
             return Ok(format!("authz:{}", hex(&sha256(v.as_bytes()))));
         }
         ScopeSource::Header(name) => {
-            let v = headers.get(name).ok_or(missing)?;
-            std::str::from_utf8(trim_ows(v.as_bytes()))
-                .map_err(|_| GatewayError::ScopeInvalid("must be UTF-8 text"))?
-                .to_string()
+            let text = |raw: &[u8]| {
+                std::str::from_utf8(trim_ows(raw))
+                    .map(str::to_string)
+                    .map_err(|_| GatewayError::ScopeInvalid("must be UTF-8 text"))
+            };
+            match single_header(headers, name, text) {
+                Err(()) => {
+                    return Err(GatewayError::ScopeInvalid(
+                        "header is given more than once with different values",
+                    ));
+                }
+                Ok(None) => return Err(missing),
+                Ok(Some(v)) => v?,
+            }
         }
         ScopeSource::Json(ptr) => match body.get()?.pointer(ptr) {
             None | Some(Value::Null) => return Err(missing),
@@ -212,6 +384,92 @@ mod tests {
         assert_eq!(parse_header_key(b"\"abc\";p=1").unwrap(), "abc");
         assert!(parse_header_key(b"\"abc").is_err());
         assert!(parse_header_key(b"\"a\\nb\"").is_err());
+    }
+
+    #[test]
+    fn repeated_member_names_are_found_at_any_depth() {
+        assert_eq!(has_duplicate_member(br#"{"a":1,"b":2}"#), Some(false));
+        assert_eq!(has_duplicate_member(br#"{"a":1,"a":2}"#), Some(true));
+        assert_eq!(
+            has_duplicate_member(br#"[{"x":{"a":1,"a":1}}]"#),
+            Some(true)
+        );
+        assert_eq!(
+            has_duplicate_member(br#"{"a":{"a":1},"b":[1.5e3,"s",null]}"#),
+            Some(false)
+        );
+        // Escapes spell the same name.
+        assert_eq!(has_duplicate_member(br#"{"a":1,"\u0061":2}"#), Some(true));
+        assert_eq!(has_duplicate_member(b"{\"a\":"), None);
+        assert_eq!(has_duplicate_member(b"not json"), None);
+    }
+
+    #[test]
+    fn repeated_headers_with_different_values_are_refused() {
+        let mut idem = crate::config::Config::from_yaml(
+            "store: { postgres: { url: \"postgres://u@h/d\" } }\n\
+             upstreams: { a: { url: \"http://127.0.0.1:1\" } }\n\
+             routes: [{ name: r, match: { path: /x }, upstream: a, \
+               idempotency: { scope: { header: x-account-id } } }]\n",
+        )
+        .unwrap()
+        .routes[0]
+            .idempotency
+            .clone()
+            .unwrap();
+        let raw = Bytes::new();
+        let run = |idem: &Idempotency, pairs: &[(&str, &str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.append(
+                    http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    v.parse().unwrap(),
+                );
+            }
+            extract(idem, &h, &mut JsonBody::new(&raw))
+        };
+        let ok = run(&idem, &[("idempotency-key", "k"), ("x-account-id", "a")]).unwrap();
+        assert_eq!(ok.unwrap().scope, "header:a");
+        // The same value twice (bare and quoted) is one value.
+        assert!(
+            run(
+                &idem,
+                &[
+                    ("idempotency-key", "k"),
+                    ("idempotency-key", "\"k\""),
+                    ("x-account-id", "a")
+                ]
+            )
+            .is_ok()
+        );
+        assert!(matches!(
+            run(
+                &idem,
+                &[
+                    ("idempotency-key", "k"),
+                    ("idempotency-key", "j"),
+                    ("x-account-id", "a")
+                ]
+            ),
+            Err(GatewayError::KeyInvalid(_))
+        ));
+        assert!(matches!(
+            run(
+                &idem,
+                &[
+                    ("idempotency-key", "k"),
+                    ("x-account-id", "a"),
+                    ("x-account-id", "b")
+                ]
+            ),
+            Err(GatewayError::ScopeInvalid(_))
+        ));
+        idem.scope = ScopeSource::Fixed("a".into());
+        let fixed = run(&idem, &[("idempotency-key", "k")]).unwrap().unwrap();
+        assert_eq!(
+            fixed.scope, "fixed:a",
+            "a fixed scope never equals a header scope"
+        );
     }
 
     #[test]

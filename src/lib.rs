@@ -4,6 +4,8 @@
 //!
 //! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
 //! - [`server`]: listener, connection limit, header read timeout, graceful shutdown.
+//! - [`path`]: path normalization before routing (one request, one spelling).
+//! - [`limits`]: admission bounds: upstream slots and buffered bytes.
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
@@ -18,6 +20,7 @@
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
 //! - [`admin`]: health, readiness and the key API on `admin.listen`.
+//! - [`keys`]: operator lookups and deletes of stored keys (key API and `idemgate keys`).
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
 //! - [`demo`]: `idemgate demo`: the lab, straight and through idemgate, side by side.
@@ -34,8 +37,11 @@ pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
 pub mod key;
+pub mod keys;
 pub mod lab;
+pub mod limits;
 pub mod metrics;
+pub mod path;
 pub mod problem;
 pub mod process;
 pub mod replay;

@@ -63,16 +63,21 @@ enum Command {
 
 #[derive(Subcommand)]
 enum KeysCommand {
-    /// Show one key's row.
+    /// Show one key's row (with the key id that the logs name it by).
     Show {
         #[arg(long, short)]
         config: PathBuf,
+        /// The scope value the client sent (or a stored scope as `keys show` prints it).
         #[arg(long)]
         scope: String,
         #[arg(long)]
         key: String,
+        /// The route, when routes with different scope sources share the value.
+        #[arg(long)]
+        route: Option<String>,
     },
-    /// Delete one key's row, whatever its state (releases a held or stuck key).
+    /// Delete one key's row (releases a held or stuck key). A key in flight under a live
+    /// lease is refused (exit 1) unless --force.
     Delete {
         #[arg(long, short)]
         config: PathBuf,
@@ -80,6 +85,11 @@ enum KeysCommand {
         scope: String,
         #[arg(long)]
         key: String,
+        #[arg(long)]
+        route: Option<String>,
+        /// Delete even a key in flight under a live lease (a possible double).
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -174,12 +184,24 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Keys { command } => match command {
-                KeysCommand::Show { config, scope, key } => {
-                    println!("{}", commands::keys_show(&config, &scope, &key).await?);
+                KeysCommand::Show {
+                    config,
+                    scope,
+                    key,
+                    route,
+                } => {
+                    let shown = commands::keys_show(&config, &scope, &key, route.as_deref());
+                    println!("{}", shown.await?);
                     Ok(())
                 }
-                KeysCommand::Delete { config, scope, key } => {
-                    commands::keys_delete(&config, &scope, &key).await?;
+                KeysCommand::Delete {
+                    config,
+                    scope,
+                    key,
+                    route,
+                    force,
+                } => {
+                    commands::keys_delete(&config, &scope, &key, route.as_deref(), force).await?;
                     println!("deleted key '{key}' in scope '{scope}'");
                     Ok(())
                 }

@@ -14,6 +14,11 @@
 //!   by the store.
 //! - `idemgate_forwards_in_flight`, `idemgate_store_pool_connections{state}`,
 //!   `idemgate_replay_cache_bytes`, `idemgate_wakeups_healthy`: gauges read at scrape time.
+//! - `idemgate_upstream_in_flight{upstream}` and `idemgate_buffered_bytes`: the admission
+//!   bounds' gauges (SPEC 8.2); `idemgate_overloaded_total{upstream, bound}` counts the
+//!   refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
+//! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
+//!   a live lease (a possible double, like `taken_over`).
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -51,6 +56,11 @@ pub mod outcome {
     pub const OUTCOME_UNKNOWN: &str = "outcome_unknown";
     pub const NOT_REPLAYABLE: &str = "not_replayable";
     pub const NO_ROUTE: &str = "no_route";
+    pub const PATH_INVALID: &str = "path_invalid";
+    /// Refused by `max_in_flight` or `max_buffered_bytes` before anything was read or claimed.
+    pub const OVERLOADED: &str = "overloaded";
+    /// A bug: a task panicked or was cancelled.
+    pub const INTERNAL: &str = "internal";
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -63,6 +73,17 @@ pub struct RouteOutcome {
 pub struct RouteEvent {
     pub route: String,
     pub event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamLabel {
+    pub upstream: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamBound {
+    pub upstream: String,
+    pub bound: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -121,6 +142,9 @@ pub struct Metrics {
     pub forwards_in_flight: Gauge,
     pub replay_cache_bytes: Gauge,
     pub wakeups_healthy: Gauge,
+    pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
+    pub buffered_bytes: Gauge,
+    pub overloaded: Family<UpstreamBound, Counter>,
 }
 
 impl Metrics {
@@ -133,6 +157,24 @@ impl Metrics {
         let forwards_in_flight = Gauge::default();
         let replay_cache_bytes = Gauge::default();
         let wakeups_healthy = Gauge::default();
+        let upstream_in_flight = Family::<UpstreamLabel, Gauge>::default();
+        let buffered_bytes = Gauge::default();
+        let overloaded = Family::<UpstreamBound, Counter>::default();
+        registry.register(
+            "upstream_in_flight",
+            "Requests admitted to each upstream and not yet finished (bounded by max_in_flight)",
+            upstream_in_flight.clone(),
+        );
+        registry.register(
+            "buffered_bytes",
+            "Request bodies and captured responses held in memory (bounded by max_buffered_bytes)",
+            buffered_bytes.clone(),
+        );
+        registry.register(
+            "overloaded",
+            "Requests refused with 503 overloaded, by upstream and bound",
+            overloaded.clone(),
+        );
         registry.register(
             "requests",
             "Requests by route and outcome",
@@ -186,6 +228,9 @@ impl Metrics {
             forwards_in_flight,
             replay_cache_bytes,
             wakeups_healthy,
+            upstream_in_flight,
+            buffered_bytes,
+            overloaded,
         }
     }
 

@@ -19,6 +19,12 @@ use crate::store::StoreError;
 pub enum GatewayError {
     #[error("no route matches")]
     NoRoute,
+    #[error("the path climbs above the root")]
+    PathInvalid,
+    #[error("overloaded: {0}")]
+    Overloaded(&'static str),
+    #[error("internal error: {0}")]
+    Internal(String),
     #[error("idempotency key missing")]
     KeyMissing,
     #[error("idempotency key invalid: {0}")]
@@ -62,6 +68,9 @@ impl GatewayError {
         use crate::metrics::outcome as o;
         match self {
             GatewayError::NoRoute => o::NO_ROUTE,
+            GatewayError::PathInvalid => o::PATH_INVALID,
+            GatewayError::Overloaded(_) => o::OVERLOADED,
+            GatewayError::Internal(_) => o::INTERNAL,
             GatewayError::KeyMissing => o::KEY_MISSING,
             GatewayError::KeyInvalid(_) => o::KEY_INVALID,
             GatewayError::ScopeMissing { .. } | GatewayError::ScopeInvalid(_) => o::SCOPE_MISSING,
@@ -112,6 +121,27 @@ impl GatewayError {
                 "no-route",
                 "No route",
                 "No route matches this method and path.".into(),
+                None,
+            ),
+            E::PathInvalid => (
+                400,
+                "path-invalid",
+                "Path invalid",
+                "The path climbs above the root with '..'.".into(),
+                None,
+            ),
+            E::Overloaded(_) => (
+                503,
+                "overloaded",
+                "Overloaded",
+                "The gateway is at its bound for this upstream or for buffered bytes; the request was not forwarded and no key was held. Retry later.".into(),
+                Some(Duration::from_secs(1)),
+            ),
+            E::Internal(_) => (
+                500,
+                "internal",
+                "Internal error",
+                "The gateway failed internally (a bug). If the request was keyed, a retry with the same key gets its recorded outcome, 409 while its lease lasts, or is forwarded again once the lease has ended.".into(),
                 None,
             ),
             E::KeyMissing => (
@@ -202,7 +232,7 @@ impl GatewayError {
                 503,
                 "store-unavailable",
                 "Store unavailable",
-                "The request was processed but its answer could not be recorded; retry later to get it.".into(),
+                "The upstream answered, but its answer could not be recorded. Until the key's lease ends a retry gets 409 in-flight; after it, a retry is forwarded again, or gets 502 outcome-unknown on a route that holds unknown outcomes.".into(),
                 Some(Duration::from_secs(1)),
             ),
             E::UpstreamUnavailable(_) => (

@@ -80,10 +80,6 @@ pub struct Wakeups {
     /// last one out always removes the entry).
     keys: Mutex<HashMap<String, (usize, Arc<KeyWait>)>>,
     healthy: AtomicBool,
-    /// Bumped on every change of `healthy` and on every announcement: a cache fill whose
-    /// store read started under another epoch may have been overtaken by an eviction (an
-    /// operator's delete landing between the read and the fill), and is dropped.
-    epoch: AtomicU64,
     pub stats: WaitStats,
 }
 
@@ -144,11 +140,10 @@ impl Wakeups {
     /// (announcements are flowing). Read the store after this call; fill the cache with
     /// [`Wakeups::cache_fill`] and this epoch.
     pub fn trusted_cache(&self) -> Option<(&ReplayCache, u64)> {
-        let epoch = self.epoch.load(Ordering::SeqCst);
         self.cache
             .get()
             .filter(|c| c.enabled() && self.healthy())
-            .map(|c| (c.as_ref(), epoch))
+            .map(|c| (c.as_ref(), c.epoch()))
     }
 
     /// Fills the cache with what the store said, unless announcements changed regime since
@@ -163,15 +158,13 @@ impl Wakeups {
     ) {
         if let Some(cache) = self.cache.get()
             && self.healthy()
-            && self.epoch.load(Ordering::SeqCst) == epoch
         {
-            cache.put(id, fingerprint, response, expires);
+            cache.put(epoch, id, fingerprint, response, expires);
         }
     }
 
     /// Wakes every local waiter of the key with this id (a NOTIFY payload).
     pub fn wake(&self, id: &str) {
-        self.epoch.fetch_add(1, Ordering::SeqCst);
         if let Some(cache) = self.cache.get() {
             cache.invalidate(id);
         }
@@ -210,7 +203,6 @@ impl Wakeups {
     pub fn set_healthy(&self, healthy: bool) {
         let was = self.healthy.swap(healthy, Ordering::SeqCst);
         if was != healthy {
-            self.epoch.fetch_add(1, Ordering::SeqCst);
             if let Some(cache) = self.cache.get() {
                 cache.clear();
             }

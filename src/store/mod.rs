@@ -158,6 +158,19 @@ pub struct KeyInfo {
     pub fingerprint_hex: String,
 }
 
+/// What an operator's delete did (SPEC 8.2).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Deleted {
+    /// The row is gone. `live_lease`: it was in flight under a live lease (a forced delete:
+    /// the attempt may still complete upstream, and a retry forwards again: a possible
+    /// double).
+    Yes { route: String, live_lease: bool },
+    /// No such row.
+    NotFound,
+    /// Refused: the key is in flight under a live lease and the delete was not forced.
+    InFlight,
+}
+
 /// A forwarding slot of a scope (`serialize`), held until released or its lease ends.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Slot {
@@ -207,12 +220,14 @@ pub trait Store: Send + Sync + 'static {
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>>;
 
-    /// Deletes one row whatever its state (operator release). `Ok(false)`: no such row.
+    /// Deletes one row (operator release), in one atomic step: a row in flight under a
+    /// live lease only when `force`, so a delete never races a lease into a double unasked.
     fn delete<'a>(
         &'a self,
         scope: &'a str,
         key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, StoreError>>;
+        force: bool,
+    ) -> BoxFuture<'a, Result<Deleted, StoreError>>;
 
     /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;

@@ -31,8 +31,8 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store,
-    StoreError,
+    BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
+    Store, StoreError,
 };
 use crate::config::{PgTlsMode, PostgresConfig};
 use crate::fingerprint::hex;
@@ -178,9 +178,23 @@ DELETE FROM idemgate_keys
                          LIMIT $1
                            FOR UPDATE SKIP LOCKED)";
 
+/// An operator's delete: the row is locked and read, then deleted unless it is in flight
+/// under a live lease and `$3` (force) is false; the deletion is announced. One row back
+/// when the key exists: its route, whether its lease was live, whether it was deleted.
 const DELETE_SQL: &str = "
-WITH done AS (DELETE FROM idemgate_keys WHERE scope = $1 AND key = $2 RETURNING 1)
-SELECT pg_notify('idemgate_keys', $3) FROM done";
+WITH target AS (
+    SELECT route, coalesce(state = 'in_flight' AND lease_expires_at > now(), false) AS live
+      FROM idemgate_keys WHERE scope = $1 AND key = $2
+       FOR UPDATE
+),
+done AS (
+    DELETE FROM idemgate_keys k USING target t
+     WHERE k.scope = $1 AND k.key = $2 AND ($3 OR NOT t.live)
+    RETURNING 1
+),
+announced AS (SELECT pg_notify('idemgate_keys', $4) FROM done)
+SELECT t.route, t.live, (SELECT count(*) FROM done) > 0, (SELECT count(*) FROM announced)
+  FROM target t";
 
 pub struct PgStore {
     pool: Pool,
@@ -571,15 +585,24 @@ impl Store for PgStore {
         &'a self,
         scope: &'a str,
         key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        force: bool,
+    ) -> BoxFuture<'a, Result<Deleted, StoreError>> {
         Box::pin(async move {
-            let n = self
+            let rows = self
                 .with_conn("delete", async |c| {
                     let stmt = c.prepare_cached(DELETE_SQL).await?;
-                    c.query(&stmt, &[&scope, &key, &key_id(scope, key)]).await
+                    c.query(&stmt, &[&scope, &key, &force, &key_id(scope, key)])
+                        .await
                 })
                 .await?;
-            Ok(n.len() == 1)
+            Ok(match rows.first() {
+                None => Deleted::NotFound,
+                Some(r) if r.get::<_, bool>(2) => Deleted::Yes {
+                    route: r.get(0),
+                    live_lease: r.get(1),
+                },
+                Some(_) => Deleted::InFlight,
+            })
         })
     }
 

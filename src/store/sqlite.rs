@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
-    BoxFuture, Claim, ClaimRequest, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot, Store,
-    StoreError,
+    BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
+    Store, StoreError,
 };
 use crate::config::SqliteConfig;
 use crate::fingerprint::hex;
@@ -417,21 +417,43 @@ impl Store for SqliteStore {
         &'a self,
         scope: &'a str,
         key: &'a str,
-    ) -> BoxFuture<'a, Result<bool, StoreError>> {
+        force: bool,
+    ) -> BoxFuture<'a, Result<Deleted, StoreError>> {
         let (s, k) = (scope.to_string(), key.to_string());
         Box::pin(async move {
-            let n = self
+            // One write transaction: the read and the delete see the same row.
+            let done = self
                 .call("delete", move |tx| {
+                    let found: Option<(String, bool)> = tx
+                        .query_row(
+                            &format!(
+                                "SELECT route, state = 'in_flight' AND coalesce(lease_expires_at > {NOW}, 0)
+                                   FROM idemgate_keys WHERE scope = ?1 AND key = ?2"
+                            ),
+                            params![s, k],
+                            |r| Ok((r.get(0)?, r.get(1)?)),
+                        )
+                        .optional()?;
+                    let Some((route, live)) = found else {
+                        return Ok(Deleted::NotFound);
+                    };
+                    if live && !force {
+                        return Ok(Deleted::InFlight);
+                    }
                     tx.execute(
                         "DELETE FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
                         params![s, k],
-                    )
+                    )?;
+                    Ok(Deleted::Yes {
+                        route,
+                        live_lease: live,
+                    })
                 })
                 .await?;
-            if n == 1 {
+            if matches!(done, Deleted::Yes { .. }) {
                 self.wakeups.wake(&key_id(scope, key));
             }
-            Ok(n == 1)
+            Ok(done)
         })
     }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use http::Method;
-use idemgate::store::{Claim, ClaimRequest, Outcome};
+use idemgate::store::{Claim, ClaimRequest, Deleted, Outcome};
 
 use crate::support::*;
 
@@ -282,7 +282,7 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
     let claimed = gw
         .store
         .claim(ClaimRequest {
-            scope: "a",
+            scope: &scoped("a"),
             key: "crashed",
             route: "payments",
             fingerprint: &fp,
@@ -319,7 +319,12 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
     })
     .await;
     assert_eq!(up.executions(), 1);
-    let info = gw.store.inspect("a", "crashed").await.unwrap().unwrap();
+    let info = gw
+        .store
+        .inspect(&scoped("a"), "crashed")
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(info.state, "completed");
     assert_eq!(info.attempts, 2, "the takeover is counted on the row");
 }
@@ -407,7 +412,10 @@ async fn a_held_key_whose_outcome_is_unknown_is_502_until_deleted(b: Backend) {
     );
     assert_eq!(up.executions(), 1);
     // An operator releases the key; the next retry is forwarded.
-    assert!(gw.store.delete("a", "k").await.unwrap());
+    assert!(matches!(
+        gw.store.delete(&scoped("a"), "k", false).await.unwrap(),
+        Deleted::Yes { .. }
+    ));
     up.set(Behavior::default());
     assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
     assert_eq!(up.executions(), 2);

@@ -124,9 +124,11 @@ async fn keys_and_scopes_from_the_json_body() {
     );
     assert_eq!(r1.body, r2.body);
     assert_eq!(up.executions(), 1);
+    let info = gw.store.inspect("json:acct_9", "pay_1").await.unwrap();
     assert_eq!(
-        row_state(&gw, "acct_9", "pay_1").await.as_deref(),
-        Some("completed")
+        info.map(|i| i.state).as_deref(),
+        Some("completed"),
+        "stored under the JSON scope's own namespace"
     );
 }
 
@@ -216,7 +218,7 @@ async fn shutdown_lets_an_in_flight_keyed_request_finish_and_store_its_answer() 
     gw.shutdown().await;
     let r = first.await.unwrap();
     assert_eq!(r.status, 201, "the in-flight request was answered");
-    let info = store.inspect("a", "k").await.unwrap().unwrap();
+    let info = store.inspect(&scoped("a"), "k").await.unwrap().unwrap();
     assert_eq!(info.state, "completed");
     assert!(
         tokio::net::TcpStream::connect(addr).await.is_err(),
@@ -240,7 +242,7 @@ async fn crashed_claim(gw: &TestGateway, key: &str, body: &str, lease: Duration)
     let claimed = gw
         .store
         .claim(ClaimRequest {
-            scope: "a",
+            scope: &scoped("a"),
             key,
             route: "payments",
             fingerprint: &fp,
@@ -260,7 +262,7 @@ async fn lease_expired(gw: &TestGateway, key: &str) {
         Duration::from_secs(10),
         || async {
             db.query_one(
-            "SELECT lease_expires_at <= now() FROM idemgate_keys WHERE scope = 'a' AND key = $1",
+            "SELECT lease_expires_at <= now() FROM idemgate_keys WHERE scope = 'header:a' AND key = $1",
             &[&key],
         )
         .await
@@ -333,7 +335,7 @@ async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_an
     tx.execute(
         "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, lease_token,
                                     lease_expires_at, expires_at)
-         VALUES ('a', 'k', 'payments', '\\x00', 'in_flight', gen_random_uuid(),
+         VALUES ('header:a', 'k', 'payments', '\\x00', 'in_flight', gen_random_uuid(),
                  now() + interval '1 hour', now() + interval '1 hour')",
         &[],
     )

@@ -3,6 +3,8 @@
 use std::process::Command;
 use std::time::Duration;
 
+use idemgate::store::Deleted;
+
 use crate::support::*;
 
 /// Inserts `n` rows under `scope`, expired (`past`) or live.
@@ -205,5 +207,8 @@ async fn the_gateway_works_unchanged_on_a_keys_table_partitioned_by_scope() {
     let db = gw.sql().await;
     insert_rows(&db, "old", 50, true).await;
     assert_eq!(gw.store.gc(10).await.unwrap().deleted, 50);
-    assert!(gw.store.delete("a", "k").await.unwrap());
+    assert!(matches!(
+        gw.store.delete(&scoped("a"), "k", false).await.unwrap(),
+        Deleted::Yes { .. }
+    ));
 }

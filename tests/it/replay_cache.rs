@@ -3,6 +3,8 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use idemgate::store::Deleted;
+
 use crate::support::*;
 
 fn hits(gw: &TestGateway) -> u64 {
@@ -54,7 +56,10 @@ async fn a_delete_on_one_instance_evicts_the_key_from_every_instances_cache() {
     );
     assert!(post(&c, &b, "a", "k", "x").await.replayed());
     assert_eq!(hits(&b), 1, "and then served it from memory");
-    assert!(a.store.delete("a", "k").await.unwrap());
+    assert!(matches!(
+        a.store.delete(&scoped("a"), "k", false).await.unwrap(),
+        Deleted::Yes { .. }
+    ));
     wait_until(
         "B forwards the deleted key again",
         Duration::from_secs(5),

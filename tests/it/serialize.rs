@@ -61,7 +61,7 @@ async fn a_crashed_holders_slot_frees_itself_when_its_lease_ends() {
         .await
         .execute(
             "INSERT INTO idemgate_slots (scope, slot, token, lease_expires_at)
-             VALUES ('a', 0, gen_random_uuid(), now() + interval '1 second')",
+             VALUES ('header:a', 0, gen_random_uuid(), now() + interval '1 second')",
             &[],
         )
         .await

@@ -62,7 +62,7 @@ server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
 store:
 {store}
 upstreams:
-  app: {{ url: "{upstream}", connect_timeout: 500ms, timeout: 5s }}
+  app: {{ url: "{upstream}", connect_timeout: 200ms, timeout: 5s }}
 routes:
   - name: payments
     match: {{ path_prefix: /pay }}
@@ -502,10 +502,15 @@ where
     }
 }
 
-/// The state of a key's row, if any.
-pub async fn row_state(gw: &TestGateway, scope: &str, key: &str) -> Option<String> {
+/// The scope under which a header scope (`X-Account-Id: account`) is stored.
+pub fn scoped(account: &str) -> String {
+    format!("header:{account}")
+}
+
+/// The state of the row of `account`'s key (a header scope), if any.
+pub async fn row_state(gw: &TestGateway, account: &str, key: &str) -> Option<String> {
     gw.store
-        .inspect(scope, key)
+        .inspect(&scoped(account), key)
         .await
         .expect("inspect")
         .map(|i| i.state)

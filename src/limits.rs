@@ -1,0 +1,191 @@
+//! Admission bounds (SPEC section 8.2): what protects the upstream and the gateway's memory
+//! from a storm, detached work included.
+//!
+//! - [`UpstreamLimit`]: `upstreams.<name>.max_in_flight`, requests being forwarded to one
+//!   upstream at once. A slot is taken when a request is admitted (before its body is read
+//!   and before any claim) and freed when its forward ends: for a keyed request when its
+//!   detached task ends (a client that hangs up does not free it), for a streamed one when
+//!   the response body has been passed on (or dropped).
+//! - [`ByteBudget`]: `server.max_buffered_bytes`, request bodies and captured responses held
+//!   in memory across all requests. A keyed request reserves its body before reading it (its
+//!   `Content-Length`, or the route's `max_request_body` when the length is unknown) and
+//!   shrinks the reservation to what arrived; a captured response is added as it arrives
+//!   (the upstream already executed: it is never refused), so the budget can be overdrawn by
+//!   responses already being captured, and new requests are refused until it is back under.
+//!
+//! Past either bound a request is answered 503 `overloaded` with `Retry-After`: nothing is
+//! forwarded and no key is held. Both are gauges; refusals are counted by upstream and bound.
+//!
+//! Invariants: every slot and byte taken is given back exactly once, by a guard's `Drop`;
+//! the counters never underflow; a limit changed by a reload applies to new admissions while
+//! the requests already admitted keep their slots (the counter is carried over by name).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use prometheus_client::metrics::gauge::Gauge;
+
+/// Slots of one upstream.
+pub struct UpstreamLimit {
+    max: AtomicUsize,
+    current: AtomicUsize,
+    gauge: Gauge,
+}
+
+impl UpstreamLimit {
+    pub fn new(max: usize, gauge: Gauge) -> UpstreamLimit {
+        UpstreamLimit {
+            max: AtomicUsize::new(max),
+            current: AtomicUsize::new(0),
+            gauge,
+        }
+    }
+
+    /// Applies a reloaded `max_in_flight` to new admissions.
+    pub fn set_max(&self, max: usize) {
+        self.max.store(max, Ordering::Relaxed);
+    }
+
+    /// Requests admitted to this upstream now.
+    pub fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    /// Takes a slot, or `None` when all are taken.
+    pub fn try_acquire(self: &Arc<Self>) -> Option<SlotGuard> {
+        let max = self.max.load(Ordering::Relaxed);
+        self.current
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        self.gauge.inc();
+        Some(SlotGuard(Arc::clone(self)))
+    }
+}
+
+/// One admitted request's slot; freed on drop.
+pub struct SlotGuard(Arc<UpstreamLimit>);
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        self.0.current.fetch_sub(1, Ordering::AcqRel);
+        self.0.gauge.dec();
+    }
+}
+
+/// The process's budget of buffered bytes.
+pub struct ByteBudget {
+    max: usize,
+    used: AtomicUsize,
+    gauge: Gauge,
+}
+
+impl ByteBudget {
+    pub fn new(max: usize, gauge: Gauge) -> ByteBudget {
+        ByteBudget {
+            max,
+            used: AtomicUsize::new(0),
+            gauge,
+        }
+    }
+
+    /// Bytes held now.
+    pub fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Reserves `n` bytes, or `None` if that would pass the bound. A reservation of 0 bytes
+    /// is refused while the budget is overdrawn (so captures already running drain first).
+    pub fn try_reserve(self: &Arc<Self>, n: usize) -> Option<Reservation> {
+        let max = self.max;
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let after = used.checked_add(n)?;
+                (used < max && after <= max).then_some(after)
+            })
+            .ok()?;
+        self.gauge.inc_by(n as i64);
+        Some(Reservation {
+            budget: Arc::clone(self),
+            bytes: n,
+        })
+    }
+}
+
+/// Bytes held for one request; given back on drop.
+pub struct Reservation {
+    budget: Arc<ByteBudget>,
+    bytes: usize,
+}
+
+impl Reservation {
+    /// Sets the reservation to exactly `n` bytes: shrinking gives bytes back; growing takes
+    /// them even past the bound (used for responses already executed upstream).
+    pub fn resize(&mut self, n: usize) {
+        if n >= self.bytes {
+            let more = n - self.bytes;
+            self.budget.used.fetch_add(more, Ordering::AcqRel);
+            self.budget.gauge.inc_by(more as i64);
+        } else {
+            let less = self.bytes - n;
+            self.budget.used.fetch_sub(less, Ordering::AcqRel);
+            self.budget.gauge.dec_by(less as i64);
+        }
+        self.bytes = n;
+    }
+
+    /// Bytes held by this reservation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        self.resize(0);
+    }
+}
+
+/// What an admitted request holds until its forward ends.
+pub struct Admission {
+    pub slot: SlotGuard,
+    pub bytes: Reservation,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_bounded_and_given_back() {
+        let limit = Arc::new(UpstreamLimit::new(2, Gauge::default()));
+        let a = limit.try_acquire().unwrap();
+        let b = limit.try_acquire().unwrap();
+        assert!(limit.try_acquire().is_none());
+        drop(a);
+        let c = limit.try_acquire().unwrap();
+        assert_eq!(limit.current(), 2);
+        drop((b, c));
+        assert_eq!(limit.current(), 0);
+        assert_eq!(limit.gauge.get(), 0);
+    }
+
+    #[test]
+    fn bytes_are_bounded_resized_and_given_back() {
+        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
+        let mut a = budget.try_reserve(60).unwrap();
+        assert!(budget.try_reserve(50).is_none());
+        a.resize(10);
+        let mut b = budget.try_reserve(50).unwrap();
+        // A capture grows past the bound; then nothing new is admitted, not even 0 bytes.
+        b.resize(120);
+        assert_eq!(budget.used(), 130);
+        assert!(budget.try_reserve(0).is_none());
+        drop(b);
+        assert!(budget.try_reserve(0).is_some());
+        drop(a);
+        assert_eq!(budget.used(), 0);
+        assert_eq!(budget.gauge.get(), 0);
+    }
+}
