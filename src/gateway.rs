@@ -1074,3 +1074,35 @@ impl hyper::body::Body for Prefixed {
             .map_err(|e| Box::new(e) as Self::Error)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicked_task_is_a_500_internal_never_blamed_on_the_store() {
+        let handle = tokio::spawn(async {
+            if true {
+                panic!("a bug");
+            }
+            (
+                Ok(Response::new(full(Bytes::new()))),
+                outcome::FORWARDED,
+                None,
+            )
+        });
+        let (result, name, _) = joined(handle.await);
+        let err = result.expect_err("a panic is an error");
+        assert_eq!(name, outcome::INTERNAL);
+        let problem = err.problem();
+        assert_eq!((problem.status.as_u16(), problem.slug), (500, "internal"));
+    }
+
+    #[test]
+    fn another_spelling_of_the_path_keeps_the_query() {
+        let uri: http::Uri = "/a//b?x=1&y=%2F".parse().unwrap();
+        assert_eq!(with_path(&uri, "/a/b").to_string(), "/a/b?x=1&y=%2F");
+        let bare: http::Uri = "/a/./b".parse().unwrap();
+        assert_eq!(with_path(&bare, "/a/b").to_string(), "/a/b");
+    }
+}

@@ -324,6 +324,15 @@ mod tests {
     }
 
     #[test]
+    fn a_failed_record_says_what_a_retry_will_get() {
+        let p = GatewayError::StoreAfterForward(StoreError::Timeout).problem();
+        assert_eq!((p.status.as_u16(), p.slug), (503, "store-unavailable"));
+        assert!(p.detail.contains("409"), "{}", p.detail);
+        assert!(p.detail.contains("outcome-unknown"), "{}", p.detail);
+        assert!(!p.detail.contains("retry later to get it"));
+    }
+
+    #[test]
     fn in_flight_carries_retry_after() {
         let resp = GatewayError::InFlight {
             retry_after: Duration::from_secs(2),

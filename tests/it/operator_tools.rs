@@ -212,3 +212,145 @@ async fn the_gateway_works_unchanged_on_a_keys_table_partitioned_by_scope() {
         Deleted::Yes { .. }
     ));
 }
+
+async fn admin(gw: &TestGateway, method: http::Method, path: &str, auth: Option<&str>) -> Reply {
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
+    send(
+        &client(),
+        method,
+        &format!("http://{}{path}", gw.admin),
+        &headers,
+        "",
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_key_in_flight_under_a_live_lease_is_deleted_only_when_forced() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1500),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let busy = in_flight(&gw.url("/pay"), &up, "acct", "busy", "x").await;
+    let q = "/v1/keys?scope=acct&key=busy";
+    let refused = admin(&gw, http::Method::DELETE, q, None).await;
+    assert_eq!(
+        (refused.status, refused.problem().as_str()),
+        (409, "key-in-flight")
+    );
+    assert_eq!(
+        row_state(&gw, "acct", "busy").await.as_deref(),
+        Some("in_flight")
+    );
+    // The command line refuses too (exit 1), and says how to force it.
+    let cfg = write_config(&gw, &up.url());
+    let cfg2 = cfg.clone();
+    let cli = tokio::task::spawn_blocking(move || {
+        idemgate(
+            &["keys", "delete", "--scope", "acct", "--key", "busy"],
+            &cfg2,
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(cli.0, 1, "{cli:?}");
+    assert!(cli.2.contains("in flight"), "{cli:?}");
+    assert_eq!(
+        row_state(&gw, "acct", "busy").await.as_deref(),
+        Some("in_flight")
+    );
+    // Forced: deleted, logged and counted as a possible double.
+    let forced = admin(&gw, http::Method::DELETE, &format!("{q}&force=true"), None).await;
+    assert_eq!(forced.status, 204);
+    assert_eq!(row_state(&gw, "acct", "busy").await, None);
+    let metrics = admin(&gw, http::Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("idemgate_leases_total{route=\"payments\",event=\"force_deleted\"} 1"),
+        "{text}"
+    );
+    // The first attempt still answers its client; its write is fenced out (lease lost).
+    assert_eq!(busy.await.unwrap().status, 201);
+    let _ = std::fs::remove_file(cfg);
+}
+
+#[tokio::test]
+async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    wakeups_flow(&gw).await;
+    let c = client();
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    let hits = gw
+        .store
+        .wakeups()
+        .trusted_cache()
+        .map(|(c, _)| c.hits.load(std::sync::atomic::Ordering::SeqCst));
+    assert_eq!(hits, Some(1), "the second replay came from memory");
+    let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
+    assert_eq!(deleted.status, 204);
+    // At once, without waiting for the NOTIFY round trip.
+    let after = post(&c, &gw, "a", "k", "x").await;
+    assert!(!after.replayed(), "forwarded again right after the delete");
+    assert_eq!(up.executions(), 2);
+}
+
+#[tokio::test]
+async fn the_key_api_accepts_the_bearer_scheme_in_any_case() {
+    let up = Upstream::start().await;
+    let token = "a-long-admin-token-1234";
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
+        format!("{y}admin: {{ listen: 127.0.0.1:0, token: {token} }}\n")
+    })
+    .await;
+    let q = "/v1/keys?scope=a&key=none";
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let auth = format!("{scheme} {token}");
+        let r = admin(&gw, http::Method::GET, q, Some(&auth)).await;
+        assert_eq!(r.status, 404, "{scheme}: authorized, and no such key");
+    }
+    let wrong = admin(
+        &gw,
+        http::Method::GET,
+        q,
+        Some("Bearer a-long-admin-token-1235"),
+    )
+    .await;
+    assert_eq!(wrong.status, 401);
+    let basic = admin(&gw, http::Method::GET, q, Some(&format!("Basic {token}"))).await;
+    assert_eq!(basic.status, 401);
+}
+
+#[test]
+fn an_admin_listener_off_loopback_without_a_token_is_a_config_error() {
+    let dir = std::env::temp_dir().join(format!("idemgate-adm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("open-admin.yaml");
+    let base = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "");
+    std::fs::write(&file, format!("{base}admin: {{ listen: 0.0.0.0:9090 }}\n")).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("admin.token"), "{stderr}");
+    // On loopback, no token is needed.
+    std::fs::write(
+        &file,
+        format!("{base}admin: {{ listen: 127.0.0.1:9090 }}\n"),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -124,3 +124,63 @@ async fn a_body_slower_than_the_timeout_is_504() {
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());
     assert_eq!(up.executions(), 2);
 }
+
+/// Nothing was sent when the upstream's name does not resolve or its port refuses: the
+/// key is released even on a route that holds unknown outcomes, and a retry is forwarded.
+#[tokio::test]
+async fn dns_and_connect_failures_release_the_key_even_under_hold() {
+    for unreachable in ["http://no-such-host.invalid:9000", "http://127.0.0.1:1"] {
+        let up = Upstream::start().await;
+        let db = pg::fresh_database().await;
+        let yaml = config_yaml(&db, unreachable, "on_unknown_outcome: hold");
+        let gw = TestGateway::start(&yaml, &db).await;
+        let c = client();
+        for attempt in 0..2 {
+            let r = post(&c, &gw, "a", "k", "x").await;
+            assert_eq!(
+                (r.status, r.problem().as_str()),
+                (502, "upstream-unavailable"),
+                "{unreachable}, attempt {attempt}: not outcome-unknown"
+            );
+            assert_eq!(row_state(&gw, "a", "k").await, None, "released");
+        }
+        drop(up);
+    }
+}
+
+#[test]
+fn a_connect_timeout_not_shorter_than_the_timeout_is_a_config_error() {
+    let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "").replace(
+        "connect_timeout: 200ms, timeout: 5s",
+        "connect_timeout: 5s, timeout: 5s",
+    );
+    assert!(yaml.contains("connect_timeout: 5s"), "the patch applied");
+    let err = idemgate::config::Config::from_yaml(&yaml)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("upstreams.app.connect_timeout"), "{err}");
+}
+
+#[test]
+fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
+    let dir = std::env::temp_dir().join(format!("idemgate-grace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("short-grace.yaml");
+    let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "")
+        .replace("shutdown_grace: 5s", "shutdown_grace: 2s");
+    assert!(yaml.contains("shutdown_grace: 2s"), "the patch applied");
+    std::fs::write(&file, yaml).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "valid, but...");
+    assert!(
+        stderr
+            .contains("warning: server.shutdown_grace (2s) is shorter than upstreams.app.timeout"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

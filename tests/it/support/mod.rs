@@ -88,6 +88,8 @@ pub struct TestGateway {
     pub db: String,
     /// The admin API (metrics, health, keys), on its own ephemeral port.
     pub admin: SocketAddr,
+    /// The gateway itself (its bounds' counters).
+    pub gateway: Arc<Gateway>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -171,6 +173,7 @@ impl TestGateway {
             pg,
             db: db.to_string(),
             admin,
+            gateway: Arc::clone(&gateway),
             stop: Some(tx),
             task: Some(task),
         }

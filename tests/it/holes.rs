@@ -1,0 +1,392 @@
+//! The holes of SPEC section 8.1 and 8.2: no way around a keyed route (path spellings,
+//! ambiguity, scope namespaces, the gateway's own headers) and no way to exhaust it
+//! (admission bounds), through the same gateway wiring as `serve`.
+
+use std::time::Duration;
+
+use http::Method;
+use proptest::strategy::{Strategy, ValueTree};
+use proptest::test_runner::TestRunner;
+
+use crate::support::*;
+
+/// A keyed exact route above a plain catch-all, as in front of a legacy service.
+fn catch_all_yaml(db: &str, upstream: &str, extra_upstream: &str) -> String {
+    format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+{store}
+upstreams:
+  app: {{ url: "{upstream}", connect_timeout: 200ms, timeout: 5s {extra_upstream} }}
+routes:
+  - name: webhooks
+    match: {{ path: /webhooks/payments }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+  - name: api
+    match: {{ path_prefix: /api/ }}
+    upstream: app
+    idempotency:
+      scope: {{ fixed: webhooks }}
+  - name: rest
+    match: {{ path_prefix: / }}
+    upstream: app
+"#,
+        store = pg_store_block(db)
+    )
+}
+
+async fn keyed(c: &TestClient, url: &str, headers: &[(&str, &str)], body: &str) -> Reply {
+    send(c, Method::POST, url, headers, body.to_string()).await
+}
+
+#[tokio::test]
+async fn every_spelling_of_a_keyed_path_is_one_request_executed_once() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    let spellings = [
+        "/webhooks/payments",
+        "/webhooks/payments/",
+        "/webhooks//payments",
+        "//webhooks/payments",
+        "/webhooks/%70ayments",
+        "/webhooks/./payments",
+        "/webhooks/x/../payments",
+        "/webhooks/payments?x=1",
+    ];
+    let headers = [("idempotency-key", "evt-1"), ("x-account-id", "a")];
+    let first = keyed(&c, &gw.url(spellings[0]), &headers, "{}").await;
+    assert_eq!(first.status, 201);
+    for spelling in &spellings[1..7] {
+        let r = keyed(&c, &gw.url(spelling), &headers, "{}").await;
+        assert_eq!(r.status, 201, "{spelling}");
+        assert!(r.replayed(), "{spelling} is the same request: replayed");
+        assert_eq!(r.body, first.body, "{spelling}");
+    }
+    // The query string is part of the request: another query is another request.
+    let other = keyed(&c, &gw.url(spellings[7]), &headers, "{}").await;
+    assert_eq!(other.status, 422, "same key, another query: a mismatch");
+    assert_eq!(up.executions(), 1, "executed once, whatever the spelling");
+    let seen = up.seen();
+    assert_eq!(
+        seen[0].uri, "/webhooks/payments",
+        "forwarded in normal form"
+    );
+}
+
+#[tokio::test]
+async fn a_prefix_matches_on_a_segment_boundary_and_climbing_above_the_root_is_refused() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    // `/api/` (configured with its slash) matches `/api` and `/api/x`, never `/apix`.
+    let h = [("idempotency-key", "k1")];
+    assert_eq!(keyed(&c, &gw.url("/api/x"), &h, "{}").await.status, 201);
+    assert!(keyed(&c, &gw.url("/api//x"), &h, "{}").await.replayed());
+    let apix = keyed(&c, &gw.url("/apix"), &h, "{}").await;
+    assert_eq!(apix.status, 201);
+    assert!(!apix.replayed(), "/apix is the catch-all's, not keyed");
+    assert_eq!(up.executions(), 2);
+    for path in ["/..", "/webhooks/../../etc/passwd", "/%2e%2e/x"] {
+        let r = keyed(&c, &gw.url(path), &h, "{}").await;
+        assert_eq!(
+            (r.status, r.problem().as_str()),
+            (400, "path-invalid"),
+            "{path}"
+        );
+    }
+    assert_eq!(
+        up.executions(),
+        2,
+        "nothing climbing above the root is forwarded"
+    );
+}
+
+#[tokio::test]
+async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    // Random spellings of `/webhooks/payments`: each character plain or percent-encoded in
+    // either case, separators doubled, `.` and `x/..` detours; one key per generated pair.
+    let seg = |word: &'static str| {
+        let chars: Vec<_> = word
+            .chars()
+            .map(|ch| {
+                proptest::prop_oneof![
+                    proptest::strategy::Just(ch.to_string()),
+                    proptest::strategy::Just(format!("%{:02x}", ch as u32)),
+                    proptest::strategy::Just(format!("%{:02X}", ch as u32)),
+                ]
+            })
+            .collect();
+        chars.prop_map(|parts| parts.concat())
+    };
+    let sep = || {
+        proptest::prop_oneof![
+            proptest::strategy::Just("/"),
+            proptest::strategy::Just("//"),
+            proptest::strategy::Just("/./"),
+            proptest::strategy::Just("/zz/../"),
+        ]
+    };
+    let spelling = (sep(), seg("webhooks"), sep(), seg("payments"))
+        .prop_map(|(a, w, b, p)| format!("{a}{w}{b}{p}"));
+    let mut runner = TestRunner::deterministic();
+    let cases = 12;
+    for i in 0..cases {
+        let one = spelling.new_tree(&mut runner).unwrap().current();
+        let two = spelling.new_tree(&mut runner).unwrap().current();
+        let key = format!("prop-{i}");
+        let h = [("idempotency-key", key.as_str()), ("x-account-id", "p")];
+        let a = keyed(&c, &gw.url(&one), &h, "{}").await;
+        let b = keyed(&c, &gw.url(&two), &h, "{}").await;
+        assert_eq!((a.status, b.status), (201, 201), "{one} / {two}");
+        assert!(b.replayed(), "{two} replays {one}");
+    }
+    assert_eq!(
+        up.executions(),
+        cases,
+        "one execution per key, whatever the spellings"
+    );
+}
+
+#[tokio::test]
+async fn repeated_key_or_scope_headers_with_different_values_are_refused() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    let url = gw.url("/webhooks/payments");
+    let two_keys = [
+        ("idempotency-key", "k1"),
+        ("idempotency-key", "k2"),
+        ("x-account-id", "a"),
+    ];
+    let r = keyed(&c, &url, &two_keys, "{}").await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "key-invalid"));
+    // An auth proxy that appends its X-Account-Id instead of replacing the client's.
+    let two_scopes = [
+        ("idempotency-key", "k1"),
+        ("x-account-id", "victim"),
+        ("x-account-id", "attacker"),
+    ];
+    let r = keyed(&c, &url, &two_scopes, "{}").await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "scope-invalid"));
+    // The same value twice is not ambiguous.
+    let same = [
+        ("idempotency-key", "k1"),
+        ("idempotency-key", "k1"),
+        ("x-account-id", "a"),
+        ("x-account-id", "a"),
+    ];
+    assert_eq!(keyed(&c, &url, &same, "{}").await.status, 201);
+    assert_eq!(up.executions(), 1, "nothing ambiguous was forwarded");
+}
+
+#[tokio::test]
+async fn a_json_body_with_a_repeated_member_name_is_refused() {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(Backend::Postgres, &up, "").await;
+    let c = client();
+    let h = [
+        ("idempotency-key", "k1"),
+        ("x-account-id", "a"),
+        ("content-type", "application/json"),
+    ];
+    let url = gw.url("/pay");
+    let r = keyed(&c, &url, &h, r#"{"amount":1,"amount":1000}"#).await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "body-not-json"));
+    let nested = keyed(&c, &url, &h, r#"{"a":{"to":"x","to":"y"}}"#).await;
+    assert_eq!(nested.status, 400);
+    assert_eq!(keyed(&c, &url, &h, r#"{"amount":1}"#).await.status, 201);
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_header_scope_cannot_squat_a_fixed_scopes_key() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    // A client claims key k under the header scope "webhooks"...
+    let squat = [("idempotency-key", "k"), ("x-account-id", "webhooks")];
+    assert_eq!(
+        keyed(&c, &gw.url("/webhooks/payments"), &squat, "{}")
+            .await
+            .status,
+        201
+    );
+    // ...which is not the `fixed: webhooks` scope of the api route: its k is its own.
+    let r = keyed(&c, &gw.url("/api/pay"), &[("idempotency-key", "k")], "{}").await;
+    assert_eq!(r.status, 201);
+    assert!(!r.replayed());
+    assert_eq!(up.executions(), 2);
+    let db = gw.sql().await;
+    let scopes: Vec<String> = db
+        .query("SELECT scope FROM idemgate_keys ORDER BY scope", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(scopes, ["fixed:webhooks", "header:webhooks"]);
+}
+
+#[tokio::test]
+async fn an_upstreams_own_replay_headers_never_reach_the_client() {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(Backend::Postgres, &up, "").await;
+    let c = client();
+    // The test upstream always answers with Idempotent-Replayed and Idempotency-Status.
+    let first = post(&c, &gw, "a", "k", "{}").await;
+    assert_eq!(first.status, 201);
+    assert!(!first.headers.contains_key("idempotent-replayed"));
+    assert!(!first.headers.contains_key("idempotency-status"));
+    let plain = send(&c, Method::GET, &gw.url("/other"), &[], "").await;
+    assert!(!plain.headers.contains_key("idempotent-replayed"));
+    assert!(!plain.headers.contains_key("idempotency-status"));
+    let again = post(&c, &gw, "a", "k", "{}").await;
+    assert_eq!(again.headers["idempotent-replayed"], "true", "only ours");
+}
+
+#[tokio::test]
+async fn an_upstreams_max_in_flight_bounds_detached_work_and_refusals_are_not_forwarded() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(600),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, &up.url(), ", max_in_flight: 3");
+    let gw = TestGateway::start(&yaml, &db).await;
+    let keys: Vec<(String, String)> = (0..20)
+        .map(|i| ("acct".to_string(), format!("storm-{i}")))
+        .collect();
+    let url = gw.url("/webhooks/payments");
+    let replies = at_once(std::slice::from_ref(&url), keys.clone(), "{}").await;
+    let ok = replies.iter().filter(|r| r.status == 201).count();
+    let refused: Vec<_> = replies.iter().filter(|r| r.status == 503).collect();
+    assert_eq!(ok + refused.len(), 20, "every answer is 201 or 503");
+    assert!(ok >= 3, "the slots were used");
+    assert!(!refused.is_empty(), "the storm passed the bound");
+    for r in &refused {
+        assert_eq!(r.problem(), "overloaded");
+        assert!(r.headers.contains_key("retry-after"));
+    }
+    assert!(
+        up.max_concurrency() <= 3,
+        "never more than max_in_flight at the upstream"
+    );
+    assert_eq!(up.executions(), ok, "no refused request was forwarded");
+    // No key was held for a refusal: a retry later is forwarded and succeeds.
+    let c = client();
+    let (account, key) = &keys[replies.iter().position(|r| r.status == 503).unwrap()];
+    let retry = post_to(&c, &url, account, key, "{}").await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    let metrics = send(
+        &c,
+        Method::GET,
+        &format!("http://{}/metrics", gw.admin),
+        &[],
+        "",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("idemgate_overloaded_total{upstream=\"app\",bound=\"max_in_flight\"}"),
+        "{text}"
+    );
+    assert!(text.contains("idemgate_upstream_in_flight{upstream=\"app\"} 0"));
+}
+
+#[tokio::test]
+async fn clients_that_hang_up_still_hold_their_slot_until_the_forward_ends() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(800),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, &up.url(), ", max_in_flight: 2");
+    let gw = TestGateway::start(&yaml, &db).await;
+    let url = gw.url("/webhooks/payments");
+    // Two clients send and hang up while their forwards run.
+    for k in ["gone-1", "gone-2"] {
+        let task = in_flight(&url, &up, "a", k, "{}").await;
+        task.abort();
+    }
+    let c = client();
+    let r = post_to(&c, &url, "a", "third", "{}").await;
+    assert_eq!(
+        r.problem(),
+        "overloaded",
+        "the detached forwards hold both slots"
+    );
+    wait_until(
+        "the detached forwards end",
+        Duration::from_secs(10),
+        || async { up.answered() == 2 },
+    )
+    .await;
+    wait_until("a slot is free again", Duration::from_secs(10), || async {
+        post_to(&c, &url, "a", "third", "{}").await.status == 201
+    })
+    .await;
+    assert_eq!(up.executions(), 3);
+}
+
+#[tokio::test]
+async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_bytes() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(800),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, &up.url(), "").replace(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
+    );
+    assert!(yaml.contains("max_buffered_bytes"), "the patch applied");
+    let gw = TestGateway::start(&yaml, &db).await;
+    let body = "x".repeat(300 * 1024);
+    let url = gw.url("/webhooks/payments");
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, url, body) = (client(), url.clone(), body.clone());
+            tokio::spawn(async move {
+                let key = format!("big-{i}");
+                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+                send(&c, Method::POST, &url, &h, body).await
+            })
+        })
+        .collect();
+    let mut peak = 0;
+    while tasks.iter().any(|t| !t.is_finished()) {
+        peak = peak.max(gw.gateway.buffered_bytes());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status {
+            201 => ok += 1,
+            503 => assert_eq!(r.problem(), "overloaded"),
+            other => panic!("unexpected {other}"),
+        }
+    }
+    // 1 MiB holds three 300 KiB bodies (plus their small answers, counted as they arrive).
+    assert!((1..=3).contains(&ok), "{ok} admitted");
+    assert_eq!(up.executions(), ok);
+    assert!(peak <= 1024 * 1024, "peak {peak} bytes");
+    assert_eq!(gw.gateway.buffered_bytes(), 0, "every byte given back");
+}
