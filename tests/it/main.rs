@@ -6,6 +6,7 @@ mod conformance;
 mod crash_and_shutdown;
 mod embedded_store;
 mod flow;
+mod health;
 mod hostile_clients;
 mod instances;
 mod lab;
