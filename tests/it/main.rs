@@ -4,6 +4,7 @@ mod cli;
 mod config_files;
 mod conformance;
 mod crash_and_shutdown;
+mod deploy;
 mod dockerfile;
 mod embedded_store;
 mod flow;
