@@ -1,7 +1,8 @@
 //! The admin listener (`admin.listen`): metrics, liveness, readiness and the key API (SPEC
 //! section 6).
 //!
-//! - `GET /metrics`: Prometheus text (see `metrics.rs`).
+//! - `GET /metrics`: OpenMetrics when asked for, else the Prometheus text format (see
+//!   `metrics.rs`).
 //! - `GET /healthz`: 200 while the process serves.
 //! - `GET /readyz`: 200 when the store answers and its migrations are applied, else 503.
 //! - `GET /v1/keys?scope=S&key=K[&route=R]`: the row as JSON (404 when absent). `S` is the
@@ -126,12 +127,15 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
     let path = req.uri().path();
     match (req.method(), path) {
         (&Method::GET, "/metrics") => {
-            let mut r = Response::new(full(Bytes::from(gateway.render_metrics())));
+            let accept = req
+                .headers()
+                .get(header::ACCEPT)
+                .and_then(|v| v.to_str().ok());
+            let format = crate::metrics::Format::negotiate(accept);
+            let mut r = Response::new(full(Bytes::from(gateway.render_metrics(format))));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8"
-                    .parse()
-                    .expect("static"),
+                format.content_type().parse().expect("static"),
             );
             r
         }

@@ -319,3 +319,134 @@ pub async fn keys_delete(
     crate::keys::delete(store.as_ref(), &config, scope, key, route, force).await?;
     Ok(())
 }
+
+/// What `idemgate health` asks: `/readyz` on a config's `admin.listen`, or a URL given.
+#[derive(Debug, Clone)]
+pub enum HealthTarget {
+    Config(std::path::PathBuf),
+    Url(String),
+}
+
+/// The most of an answer's body `idemgate health` reads (for the reason of a 503).
+const HEALTH_BODY_LIMIT: usize = 4096;
+
+/// `idemgate health`: one `GET` of the admin listener's `/readyz`, all of it (connecting
+/// included) within `timeout`. `Ok` with a line to print when it answers 200; `Err` with a
+/// one-line reason otherwise, a bad config included: a container `HEALTHCHECK` knows exit 0
+/// (healthy) and 1 (unhealthy) only, so `main.rs` exits 1, never 64, for any of them. Plain
+/// HTTP only: the admin listener has no TLS. The bearer token of `--config` is sent, though
+/// `/readyz` needs none today, so the probe keeps working if the admin API ever asks for it.
+pub async fn health(target: &HealthTarget, timeout: std::time::Duration) -> Result<String, String> {
+    let (url, token) = match target {
+        HealthTarget::Url(url) => (url.clone(), None),
+        HealthTarget::Config(path) => {
+            let config = Config::load(path).map_err(|e| e.to_string())?;
+            let admin = config.admin.ok_or_else(|| {
+                format!(
+                    "{} has no admin.listen: there is no /readyz to ask",
+                    path.display()
+                )
+            })?;
+            (
+                format!("http://{}/readyz", probe_addr(admin.listen)),
+                admin.token,
+            )
+        }
+    };
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("'{url}' is not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!(
+            "'{url}': only http:// URLs (the admin listener has no TLS)"
+        ));
+    }
+    let authority = uri
+        .authority()
+        .ok_or_else(|| format!("'{url}' has no host"))?
+        .clone();
+    let asked = tokio::time::timeout(timeout, get_once(&uri, &authority, token.as_deref())).await;
+    match asked {
+        Err(_) => Err(format!(
+            "no answer from {url} within {}",
+            fmt_duration(timeout)
+        )),
+        Ok(Err(e)) => Err(format!("{url}: {e}")),
+        Ok(Ok((status, _))) if status == http::StatusCode::OK => {
+            Ok(format!("ready: {url} answered 200"))
+        }
+        Ok(Ok((status, body))) => {
+            // /readyz says why in its JSON body; keep the line one line and short.
+            let reason = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_string))
+                .map(|r| {
+                    let r: String = r
+                        .chars()
+                        .map(|c| if c.is_control() { ' ' } else { c })
+                        .take(300)
+                        .collect();
+                    format!(": {r}")
+                })
+                .unwrap_or_default();
+            Err(format!("{url} answered {status}{reason}"))
+        }
+    }
+}
+
+/// Where to reach a listener from the same host: an unspecified address (`0.0.0.0`, `::`)
+/// is reached on the loopback of its family.
+fn probe_addr(listen: std::net::SocketAddr) -> std::net::SocketAddr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let ip = match listen.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        ip => ip,
+    };
+    std::net::SocketAddr::new(ip, listen.port())
+}
+
+/// One HTTP/1.1 `GET` on a fresh connection: the status and the start of the body.
+async fn get_once(
+    uri: &http::Uri,
+    authority: &http::uri::Authority,
+    token: Option<&str>,
+) -> Result<(http::StatusCode, bytes::Bytes), String> {
+    use http_body_util::BodyExt;
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let port = authority.port_u16().unwrap_or(80);
+    let stream = tokio::net::TcpStream::connect((host, port))
+        .await
+        .map_err(|e| format!("cannot connect: {e}"))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| format!("HTTP handshake: {e}"))?;
+    tokio::spawn(conn);
+    let path = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = http::Request::get(path)
+        .header(http::header::HOST, authority.as_str())
+        .header(http::header::USER_AGENT, "idemgate-health");
+    if let Some(token) = token {
+        req = req.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
+    }
+    let req = req
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .map_err(|e| format!("building the request: {e}"))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| format!("no answer: {e}"))?;
+    let status = resp.status();
+    // Only a 503's reason is of use, and only its start: a stray server's endless body
+    // must not keep the probe from answering.
+    let body = http_body_util::Limited::new(resp.into_body(), HEALTH_BODY_LIMIT)
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    Ok((status, body))
+}

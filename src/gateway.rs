@@ -292,7 +292,7 @@ impl Gateway {
     }
 
     /// Refreshes the gauges read at scrape time and renders every metric.
-    pub fn render_metrics(&self) -> String {
+    pub fn render_metrics(&self, format: crate::metrics::Format) -> String {
         self.store.observe_pool();
         let wakeups = self.store.wakeups();
         self.metrics
@@ -301,7 +301,7 @@ impl Gateway {
         self.metrics
             .replay_cache_bytes
             .set(wakeups.cache_bytes() as i64);
-        self.metrics.encode()
+        self.metrics.encode(format)
     }
 
     /// The forward jobs in flight.

@@ -54,6 +54,20 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
+    /// Exit 0 when the admin listener's /readyz answers 200, else 1 with the reason on
+    /// stderr: a container HEALTHCHECK without curl in the image.
+    #[command(group(clap::ArgGroup::new("target").required(true).args(["config", "url"])))]
+    Health {
+        /// Ask /readyz on this config's admin.listen (0.0.0.0 and :: mean the loopback).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Ask this URL instead (http:// only), e.g. http://127.0.0.1:9090/readyz.
+        #[arg(long)]
+        url: Option<String>,
+        /// Give up after this long, connecting included (250ms, 2s, ...).
+        #[arg(long, default_value = "2s", value_parser = idemgate::config::parse_duration)]
+        timeout: std::time::Duration,
+    },
     /// Inspect or release stored keys.
     Keys {
         #[command(subcommand)]
@@ -181,6 +195,23 @@ fn main() -> ExitCode {
                 } else {
                     println!("another instance is collecting expired keys; nothing done");
                 }
+                Ok(())
+            }
+            Command::Health {
+                config,
+                url,
+                timeout,
+            } => {
+                let target = match (config, url) {
+                    (Some(path), _) => commands::HealthTarget::Config(path),
+                    (None, Some(url)) => commands::HealthTarget::Url(url),
+                    (None, None) => unreachable!("clap requires --config or --url"),
+                };
+                // Exit 1 for every failure, a bad config included: see commands::health.
+                let line = commands::health(&target, timeout)
+                    .await
+                    .map_err(|why| CommandError::Other(format!("unhealthy: {why}")))?;
+                println!("{line}");
                 Ok(())
             }
             Command::Keys { command } => match command {

@@ -19,6 +19,9 @@
 //!   refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
 //! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
 //!   a live lease (a possible double, like `taken_over`).
+//!
+//! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
+//! older text format to anyone else; `promtool check metrics` lints the latter in CI.
 
 use std::sync::Mutex;
 use std::time::Duration;
@@ -260,12 +263,116 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
-    /// The Prometheus text exposition.
-    pub fn encode(&self) -> String {
+    /// The exposition in `format`.
+    pub fn encode(&self, format: Format) -> String {
         let mut out = String::new();
         let registry = self.registry.lock().expect("registry lock");
         prometheus_client::encoding::text::encode(&mut out, &registry)
             .expect("writing to a String cannot fail");
-        out
+        match format {
+            Format::OpenMetrics => out,
+            Format::Text => openmetrics_to_text(&out),
+        }
+    }
+}
+
+/// The two exposition formats of `GET /metrics`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// OpenMetrics 1.0: what Prometheus asks for first.
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4: for whoever does not ask for OpenMetrics (curl,
+    /// older scrapers, and `promtool check metrics`, which reads only this one).
+    Text,
+}
+
+impl Format {
+    /// OpenMetrics when the `Accept` header names it, else the text format (the Go
+    /// client's rule).
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
+            _ => Format::Text,
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+/// OpenMetrics text as the 0.0.4 text format: the samples are the same; a counter's `HELP`
+/// and `TYPE` lines name it as its samples do (`_total`), and there is no `# EOF` (nor
+/// `# UNIT`, which this registry never writes).
+fn openmetrics_to_text(open: &str) -> String {
+    let counters: std::collections::HashSet<&str> = open
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(open.len());
+    for line in open.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let total = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                out.push_str(&format!("{prefix}{name}{total} {tail}"));
+            }
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_text_format_names_counters_as_their_samples_and_has_no_eof() {
+        let m = Metrics::new(&StoreMetrics::default());
+        m.request("payments", outcome::REPLAYED);
+        m.wakeups_healthy.set(1);
+        let open = m.encode(Format::OpenMetrics);
+        assert!(
+            open.contains("# TYPE idemgate_requests counter\n"),
+            "{open}"
+        );
+        assert!(open.ends_with("# EOF\n"));
+        let text = m.encode(Format::Text);
+        assert!(
+            text.contains("# HELP idemgate_requests_total Requests by route and outcome.\n"),
+            "{text}"
+        );
+        assert!(text.contains("# TYPE idemgate_requests_total counter\n"));
+        assert!(
+            text.contains("idemgate_requests_total{route=\"payments\",outcome=\"replayed\"} 1\n")
+        );
+        assert!(
+            text.contains("# TYPE idemgate_wakeups_healthy gauge\nidemgate_wakeups_healthy 1\n")
+        );
+        assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn openmetrics_only_when_asked_for() {
+        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert_eq!(Format::negotiate(Some(prometheus)), Format::OpenMetrics);
+        assert_eq!(Format::negotiate(Some("*/*")), Format::Text);
+        assert_eq!(Format::negotiate(None), Format::Text);
     }
 }
