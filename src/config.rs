@@ -494,7 +494,9 @@ pub struct Idempotency {
 }
 
 /// `serialize`: at most `max_in_flight` keyed requests of one scope are forwarded at once;
-/// the rest queue (fairly within an instance) for up to `wait_timeout`, then get 409.
+/// the rest queue (fairly within an instance) for up to `wait_timeout`, then get 409. The
+/// limit is this route's own: routes sharing a scope never add their limits up (see
+/// `serialize.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SerializeConfig {
     pub max_in_flight: u32,

@@ -217,8 +217,11 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;
 
-    /// Takes a free forwarding slot of `scope` (at most `max_in_flight` live at once across
-    /// all instances), leased for `lease`. `Ok(None)`: none is free now.
+    /// Takes a forwarding slot of `scope` for a route whose limit is `max_in_flight`, leased
+    /// for `lease`, across all instances. The slot records that limit, and it is granted only
+    /// if, counting it, the scope's live slots number at most `max_in_flight` and at most the
+    /// limit of every live holder; the decision is atomic with respect to every other taker
+    /// of the scope. `Ok(None)`: the scope is full for this route now.
     fn acquire_slot<'a>(
         &'a self,
         scope: &'a str,

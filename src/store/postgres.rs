@@ -20,6 +20,12 @@
 //!   `statement_timeout` and by the same bound on the client side; a connection whose
 //!   statement timed out on the client side is detached from the pool, never reused.
 //! - Statements are prepared once per connection (`prepare_cached`).
+//! - A `serialize` slot is taken by one statement calling `idemgate_take_slot`, which
+//!   decides under a per-scope transaction-level advisory lock taken before it reads a row:
+//!   takers of one scope are ordered across instances, and each sees every slot committed
+//!   before it (see migrations/0005_slot_limits.sql). The lock ends with that statement's
+//!   implicit transaction, so it is never held across the upstream call, and a pooler in
+//!   transaction mode keeps it on one server connection.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +54,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         3,
         "waiters",
         include_str!("../../migrations/0003_waiters.sql"),
+    ),
+    (
+        5,
+        "slot_limits",
+        include_str!("../../migrations/0005_slot_limits.sql"),
     ),
 ];
 
@@ -134,21 +145,12 @@ UPDATE idemgate_keys SET waiters = true
  WHERE scope = $1 AND key = $2 AND state = 'in_flight'
 RETURNING 1";
 
-/// Takes the lowest free slot of a scope (free: absent, or its lease ended), in one
-/// statement. No row back: every slot is busy, or a concurrent taker won the slot we picked.
-const SLOT_ACQUIRE_SQL: &str = "
-WITH pick AS (
-    SELECT g AS slot FROM generate_series(0, $2 - 1) g
-     WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
-                        WHERE s.scope = $1 AND s.slot = g AND s.lease_expires_at > now())
-     ORDER BY g LIMIT 1
-)
-INSERT INTO idemgate_slots AS s (scope, slot, token, lease_expires_at)
-SELECT $1, slot, gen_random_uuid(), now() + $3::bigint * interval '1 millisecond' FROM pick
-ON CONFLICT (scope, slot) DO UPDATE
-   SET token = EXCLUDED.token, lease_expires_at = EXCLUDED.lease_expires_at
- WHERE s.lease_expires_at <= now()
-RETURNING slot, token::text";
+/// Takes a slot of a scope for a route with limit `$2`, in one round trip: the function
+/// (migrations/0005_slot_limits.sql) decides under a per-scope transaction lock, so takers on
+/// every instance are ordered and none can miss another. No row back: the scope is full for
+/// this route (counting itself, more than `$2` live slots, or more than some live holder's
+/// limit).
+const SLOT_ACQUIRE_SQL: &str = "SELECT slot, token FROM idemgate_take_slot($1, $2, $3)";
 
 /// Frees a slot we hold (fenced by its token) and announces it to the scope's waiters.
 const SLOT_RELEASE_SQL: &str = "
