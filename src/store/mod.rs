@@ -43,6 +43,10 @@ pub enum StoreError {
     Db(String),
     #[error("stored row is corrupt: {0}")]
     Corrupt(&'static str),
+    /// The database answers but may lose what it commits (SPEC 8.4): a configuration error,
+    /// not an outage. The text names the setting that would accept it.
+    #[error("{0}")]
+    NotDurable(String),
 }
 
 impl StoreError {
@@ -52,7 +56,7 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             StoreError::AcquireTimeout | StoreError::Timeout | StoreError::Connect(_) => true,
-            StoreError::Db(_) | StoreError::Corrupt(_) => false,
+            StoreError::Db(_) | StoreError::Corrupt(_) | StoreError::NotDurable(_) => false,
         }
     }
 }
@@ -249,6 +253,14 @@ pub trait Store: Send + Sync + 'static {
     /// Where local waiters for in-flight keys are woken when a key is finished.
     fn wakeups(&self) -> &Arc<Wakeups>;
 
-    /// Whether the store answers and its schema is current.
+    /// Whether the store answers, keeps what it commits (see [`Store::durability`]) and its
+    /// schema is current.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Whether a commit, once acknowledged, survives a crash of the database as it is
+    /// configured for us (guarantee 3): [`StoreError::NotDurable`] when it may not and the
+    /// configuration does not accept that; other errors when the store cannot say now.
+    fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
 }

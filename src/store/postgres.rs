@@ -161,6 +161,15 @@ WITH done AS (
 )
 SELECT pg_notify('idemgate_keys', $4) FROM done";
 
+/// The session's `synchronous_commit`, as `SHOW synchronous_commit` reports it, on a pooled
+/// connection: what the gateway's role and database are set to (`ALTER ROLE/DATABASE ...
+/// SET`) on top of the server's default.
+const SYNC_COMMIT_SQL: &str = "SELECT current_setting('synchronous_commit')";
+
+/// Readiness in one round trip: the schema version and the durability setting.
+const READY_SQL: &str = "
+SELECT (SELECT max(version) FROM idemgate_migrations), current_setting('synchronous_commit')";
+
 const INSPECT_SQL: &str = "
 SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
        created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
@@ -195,6 +204,8 @@ pub struct PgStore {
     metrics: StoreMetrics,
     /// The TLS connector (`tls.mode` require or verify-full), shared with the listener.
     tls: Option<MakeRustlsConnect>,
+    /// `store.postgres.allow_async_commit`.
+    allow_async_commit: bool,
 }
 
 impl Drop for PgStore {
@@ -281,7 +292,26 @@ impl PgStore {
             listener: std::sync::Mutex::new(None),
             metrics: StoreMetrics::default(),
             tls,
+            allow_async_commit: cfg.allow_async_commit,
         })
+    }
+
+    /// Refuses a `synchronous_commit` of `off` unless the configuration accepts it: with it,
+    /// the server acknowledges a commit before it is on disk, so a database crash can lose
+    /// an answer a client already holds (guarantee 3). Every other value (`on`, `local`,
+    /// `remote_write`, `remote_apply`) flushes the commit locally before acknowledging it.
+    fn check_commit_setting(&self, setting: &str) -> Result<(), StoreError> {
+        if setting != "off" || self.allow_async_commit {
+            return Ok(());
+        }
+        Err(StoreError::NotDurable(
+            "the database runs with synchronous_commit = off for this gateway: a crash of \
+             the database can lose stored answers that clients already got (guarantee 3). \
+             Turn it on for the gateway's role or database (ALTER ROLE ... SET \
+             synchronous_commit = on), or accept the risk with \
+             store.postgres.allow_async_commit: true"
+                .into(),
+        ))
     }
 
     /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
@@ -697,17 +727,27 @@ impl Store for PgStore {
         &self.wakeups
     }
 
+    fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let setting: String = self
+                .with_conn("durability", async |c| {
+                    Ok(c.query_one(SYNC_COMMIT_SQL, &[]).await?.get(0))
+                })
+                .await?;
+            self.check_commit_setting(&setting)
+        })
+    }
+
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
-            let v: Option<i32> = self
+            let (v, setting): (Option<i32>, String) = self
                 .with_conn("ready", async |c| {
-                    let row = c
-                        .query_one("SELECT max(version) FROM idemgate_migrations", &[])
-                        .await?;
-                    Ok(row.get(0))
+                    let row = c.query_one(READY_SQL, &[]).await?;
+                    Ok((row.get(0), row.get(1)))
                 })
                 .await?;
+            self.check_commit_setting(&setting)?;
             if v.unwrap_or(0) < latest {
                 return Err(StoreError::Db("migrations not applied".into()));
             }
