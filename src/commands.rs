@@ -61,14 +61,19 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     }
     let config = Arc::new(config);
     let store = open_store(&config)?;
-    // Migrate before serving when the store answers; when it does not, serve anyway (keyed
-    // requests get 503 store-unavailable, /readyz says not ready) and keep trying, so a
-    // gateway started during a database outage recovers by itself instead of crash-looping.
-    if let Err(e) = store.migrate().await {
-        tracing::warn!(error = %e, "cannot apply migrations yet; serving and retrying in the background");
-        tokio::spawn(migrate_until_done(Arc::clone(&store)));
-    } else {
-        tracing::info!("migrations applied");
+    // Check and migrate the store before serving when it answers; when it does not, serve
+    // anyway (keyed requests get 503 store-unavailable, /readyz says not ready) and keep
+    // trying, so a gateway started during a database outage recovers by itself instead of
+    // crash-looping. A store that answers but may lose commits (SPEC 8.4) is a configuration
+    // error, not an outage: refuse to start, or stop once it is found.
+    let (refused_tx, refused_rx) = tokio::sync::oneshot::channel::<StoreError>();
+    match prepare_store(store.as_ref()).await {
+        Ok(()) => tracing::info!("migrations applied"),
+        Err(e @ StoreError::NotDurable(_)) => return Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot check the store or apply migrations yet; serving and retrying in the background");
+            tokio::spawn(prepare_until_done(Arc::clone(&store), refused_tx));
+        }
     }
     store.start_background();
     let listener = TcpListener::bind(config.listen).await?;
@@ -92,15 +97,33 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
         stop_rx.clone(),
     ));
     tokio::spawn(reload_on_sighup(path.to_path_buf(), Arc::clone(&gateway)));
-    let served = crate::server::run(
-        listener,
-        gateway,
-        config.server.clone(),
-        crate::server::shutdown_signal(),
-    )
-    .await;
+    let refused = Arc::new(std::sync::Mutex::new(None));
+    let shutdown = {
+        let refused = Arc::clone(&refused);
+        async move {
+            tokio::select! {
+                () = crate::server::shutdown_signal() => {}
+                // Only sent on a refusal; a sender dropped after success disables this arm.
+                Ok(e) = refused_rx => {
+                    *refused.lock().expect("refusal lock") = Some(e);
+                }
+            }
+        }
+    };
+    let served = crate::server::run(listener, gateway, config.server.clone(), shutdown).await;
     let _ = stop_tx.send(true);
+    if let Some(e) = refused.lock().expect("refusal lock").take() {
+        return Err(e.into());
+    }
     served.map_err(CommandError::Other)
+}
+
+/// What `serve` needs of the store before keyed requests can be trusted to it: that it keeps
+/// its commits (checked first, so a refused database is left untouched), and the migrations.
+async fn prepare_store(store: &dyn Store) -> Result<(), StoreError> {
+    store.durability().await?;
+    store.migrate().await?;
+    Ok(())
 }
 
 /// On every SIGHUP: load and validate the file again; swap it in for new requests, or keep
@@ -134,17 +157,26 @@ async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>) {
     }
 }
 
-/// Retries migrations with backoff (100 ms doubling to 5 s) until they succeed.
-async fn migrate_until_done(store: Arc<dyn Store>) {
+/// Retries [`prepare_store`] with backoff (100 ms doubling to 5 s) until it succeeds; a
+/// store found not to keep its commits is sent on `refused` (which stops `serve`) instead.
+async fn prepare_until_done(
+    store: Arc<dyn Store>,
+    refused: tokio::sync::oneshot::Sender<StoreError>,
+) {
     let mut pause = std::time::Duration::from_millis(100);
     loop {
         tokio::time::sleep(pause).await;
-        match store.migrate().await {
-            Ok(_) => {
+        match prepare_store(store.as_ref()).await {
+            Ok(()) => {
                 tracing::info!("migrations applied; the store is ready");
                 return;
             }
-            Err(e) => tracing::debug!(error = %e, "migrations still failing"),
+            Err(e @ StoreError::NotDurable(_)) => {
+                tracing::error!(error = %e, "refusing to serve on this database; shutting down");
+                let _ = refused.send(e);
+                return;
+            }
+            Err(e) => tracing::debug!(error = %e, "store still not ready"),
         }
         pause = (pause * 2).min(std::time::Duration::from_secs(5));
     }
@@ -210,11 +242,16 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
     }
     let store = match &config.store {
         StoreConfig::Postgres(pg) => format!(
-            "store  postgres (pool {}, acquire {}, statement {}, tls {:?})",
+            "store  postgres (pool {}, acquire {}, statement {}, tls {:?}{})",
             pg.pool_size,
             fmt_duration(pg.acquire_timeout),
             fmt_duration(pg.statement_timeout),
-            pg.tls
+            pg.tls,
+            if pg.allow_async_commit {
+                ", async commit allowed"
+            } else {
+                ""
+            }
         ),
         StoreConfig::Sqlite(sq) => format!("store  sqlite {}", sq.path.display()),
     };

@@ -137,6 +137,7 @@ struct RawPostgres {
     connect_timeout: Option<String>,
     statement_timeout: Option<String>,
     tls: Option<RawPgTls>,
+    allow_async_commit: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -369,6 +370,10 @@ pub struct PostgresConfig {
     pub tls: PgTlsMode,
     /// CA file for `verify-full` (the system bundle without one).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Accept a database whose `synchronous_commit` is `off` (SPEC 8.4). Such a database
+    /// can lose a commit that a client was already answered from (guarantee 3), so `serve`
+    /// refuses it and `/readyz` fails unless this says the operator chose that.
+    pub allow_async_commit: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -525,7 +530,9 @@ pub struct Idempotency {
 }
 
 /// `serialize`: at most `max_in_flight` keyed requests of one scope are forwarded at once;
-/// the rest queue (fairly within an instance) for up to `wait_timeout`, then get 409.
+/// the rest queue (fairly within an instance) for up to `wait_timeout`, then get 409. The
+/// limit is this route's own: routes sharing a scope never add their limits up (see
+/// `serialize.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SerializeConfig {
     pub max_in_flight: u32,
@@ -1023,6 +1030,7 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 )?,
                 tls: tls_mode,
                 tls_ca,
+                allow_async_commit: pg.allow_async_commit.unwrap_or(false),
             })
         }
     };
@@ -1584,6 +1592,20 @@ routes:
             err(&yaml),
             "store.postgres.url: environment variable DB_URL is not set"
         );
+    }
+
+    #[test]
+    fn async_commit_is_refused_unless_the_config_allows_it() {
+        let allowed = |yaml: &str| match Config::from_yaml(yaml).unwrap().store {
+            StoreConfig::Postgres(pg) => pg.allow_async_commit,
+            StoreConfig::Sqlite(_) => panic!("a postgres store"),
+        };
+        assert!(!allowed(MINIMAL), "off by default");
+        let yaml = MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            "url: \"postgres://u@localhost/db\", allow_async_commit: true",
+        );
+        assert!(allowed(&yaml));
     }
 
     #[test]

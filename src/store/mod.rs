@@ -43,6 +43,10 @@ pub enum StoreError {
     Db(String),
     #[error("stored row is corrupt: {0}")]
     Corrupt(&'static str),
+    /// The database answers but may lose what it commits (SPEC 8.4): a configuration error,
+    /// not an outage. The text names the setting that would accept it.
+    #[error("{0}")]
+    NotDurable(String),
 }
 
 impl StoreError {
@@ -52,7 +56,7 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             StoreError::AcquireTimeout | StoreError::Timeout | StoreError::Connect(_) => true,
-            StoreError::Db(_) | StoreError::Corrupt(_) => false,
+            StoreError::Db(_) | StoreError::Corrupt(_) | StoreError::NotDurable(_) => false,
         }
     }
 }
@@ -232,8 +236,11 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes expired rows in batches of `batch`, unless another instance is collecting.
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>>;
 
-    /// Takes a free forwarding slot of `scope` (at most `max_in_flight` live at once across
-    /// all instances), leased for `lease`. `Ok(None)`: none is free now.
+    /// Takes a forwarding slot of `scope` for a route whose limit is `max_in_flight`, leased
+    /// for `lease`, across all instances. The slot records that limit, and it is granted only
+    /// if, counting it, the scope's live slots number at most `max_in_flight` and at most the
+    /// limit of every live holder; the decision is atomic with respect to every other taker
+    /// of the scope. `Ok(None)`: the scope is full for this route now.
     fn acquire_slot<'a>(
         &'a self,
         scope: &'a str,
@@ -261,6 +268,14 @@ pub trait Store: Send + Sync + 'static {
     /// Where local waiters for in-flight keys are woken when a key is finished.
     fn wakeups(&self) -> &Arc<Wakeups>;
 
-    /// Whether the store answers and its schema is current.
+    /// Whether the store answers, keeps what it commits (see [`Store::durability`]) and its
+    /// schema is current.
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Whether a commit, once acknowledged, survives a crash of the database as it is
+    /// configured for us (guarantee 3): [`StoreError::NotDurable`] when it may not and the
+    /// configuration does not accept that; other errors when the store cannot say now.
+    fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
 }

@@ -20,6 +20,12 @@
 //!   `statement_timeout` and by the same bound on the client side; a connection whose
 //!   statement timed out on the client side is detached from the pool, never reused.
 //! - Statements are prepared once per connection (`prepare_cached`).
+//! - A `serialize` slot is taken by one statement calling `idemgate_take_slot`, which
+//!   decides under a per-scope transaction-level advisory lock taken before it reads a row:
+//!   takers of one scope are ordered across instances, and each sees every slot committed
+//!   before it (see migrations/0005_slot_limits.sql). The lock ends with that statement's
+//!   implicit transaction, so it is never held across the upstream call, and a pooler in
+//!   transaction mode keeps it on one server connection.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -48,6 +54,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         3,
         "waiters",
         include_str!("../../migrations/0003_waiters.sql"),
+    ),
+    (
+        5,
+        "slot_limits",
+        include_str!("../../migrations/0005_slot_limits.sql"),
     ),
 ];
 
@@ -134,21 +145,12 @@ UPDATE idemgate_keys SET waiters = true
  WHERE scope = $1 AND key = $2 AND state = 'in_flight'
 RETURNING 1";
 
-/// Takes the lowest free slot of a scope (free: absent, or its lease ended), in one
-/// statement. No row back: every slot is busy, or a concurrent taker won the slot we picked.
-const SLOT_ACQUIRE_SQL: &str = "
-WITH pick AS (
-    SELECT g AS slot FROM generate_series(0, $2 - 1) g
-     WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
-                        WHERE s.scope = $1 AND s.slot = g AND s.lease_expires_at > now())
-     ORDER BY g LIMIT 1
-)
-INSERT INTO idemgate_slots AS s (scope, slot, token, lease_expires_at)
-SELECT $1, slot, gen_random_uuid(), now() + $3::bigint * interval '1 millisecond' FROM pick
-ON CONFLICT (scope, slot) DO UPDATE
-   SET token = EXCLUDED.token, lease_expires_at = EXCLUDED.lease_expires_at
- WHERE s.lease_expires_at <= now()
-RETURNING slot, token::text";
+/// Takes a slot of a scope for a route with limit `$2`, in one round trip: the function
+/// (migrations/0005_slot_limits.sql) decides under a per-scope transaction lock, so takers on
+/// every instance are ordered and none can miss another. No row back: the scope is full for
+/// this route (counting itself, more than `$2` live slots, or more than some live holder's
+/// limit).
+const SLOT_ACQUIRE_SQL: &str = "SELECT slot, token FROM idemgate_take_slot($1, $2, $3)";
 
 /// Frees a slot we hold (fenced by its token) and announces it to the scope's waiters.
 const SLOT_RELEASE_SQL: &str = "
@@ -158,6 +160,15 @@ WITH done AS (
     RETURNING 1
 )
 SELECT pg_notify('idemgate_keys', $4) FROM done";
+
+/// The session's `synchronous_commit`, as `SHOW synchronous_commit` reports it, on a pooled
+/// connection: what the gateway's role and database are set to (`ALTER ROLE/DATABASE ...
+/// SET`) on top of the server's default.
+const SYNC_COMMIT_SQL: &str = "SELECT current_setting('synchronous_commit')";
+
+/// Readiness in one round trip: the schema version and the durability setting.
+const READY_SQL: &str = "
+SELECT (SELECT max(version) FROM idemgate_migrations), current_setting('synchronous_commit')";
 
 const INSPECT_SQL: &str = "
 SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
@@ -207,6 +218,8 @@ pub struct PgStore {
     metrics: StoreMetrics,
     /// The TLS connector (`tls.mode` require or verify-full), shared with the listener.
     tls: Option<MakeRustlsConnect>,
+    /// `store.postgres.allow_async_commit`.
+    allow_async_commit: bool,
 }
 
 impl Drop for PgStore {
@@ -293,7 +306,26 @@ impl PgStore {
             listener: std::sync::Mutex::new(None),
             metrics: StoreMetrics::default(),
             tls,
+            allow_async_commit: cfg.allow_async_commit,
         })
+    }
+
+    /// Refuses a `synchronous_commit` of `off` unless the configuration accepts it: with it,
+    /// the server acknowledges a commit before it is on disk, so a database crash can lose
+    /// an answer a client already holds (guarantee 3). Every other value (`on`, `local`,
+    /// `remote_write`, `remote_apply`) flushes the commit locally before acknowledging it.
+    fn check_commit_setting(&self, setting: &str) -> Result<(), StoreError> {
+        if setting != "off" || self.allow_async_commit {
+            return Ok(());
+        }
+        Err(StoreError::NotDurable(
+            "the database runs with synchronous_commit = off for this gateway: a crash of \
+             the database can lose stored answers that clients already got (guarantee 3). \
+             Turn it on for the gateway's role or database (ALTER ROLE ... SET \
+             synchronous_commit = on), or accept the risk with \
+             store.postgres.allow_async_commit: true"
+                .into(),
+        ))
     }
 
     /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
@@ -718,17 +750,27 @@ impl Store for PgStore {
         &self.wakeups
     }
 
+    fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let setting: String = self
+                .with_conn("durability", async |c| {
+                    Ok(c.query_one(SYNC_COMMIT_SQL, &[]).await?.get(0))
+                })
+                .await?;
+            self.check_commit_setting(&setting)
+        })
+    }
+
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
-            let v: Option<i32> = self
+            let (v, setting): (Option<i32>, String) = self
                 .with_conn("ready", async |c| {
-                    let row = c
-                        .query_one("SELECT max(version) FROM idemgate_migrations", &[])
-                        .await?;
-                    Ok(row.get(0))
+                    let row = c.query_one(READY_SQL, &[]).await?;
+                    Ok((row.get(0), row.get(1)))
                 })
                 .await?;
+            self.check_commit_setting(&setting)?;
             if v.unwrap_or(0) < latest {
                 return Err(StoreError::Db("migrations not applied".into()));
             }

@@ -35,11 +35,19 @@ use crate::replay::StoredResponse;
 use crate::wait::{Wakeups, key_id, slot_id};
 
 /// Migrations of the embedded store, applied in order in one transaction.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "keys_and_slots",
-    include_str!("../../migrations/sqlite/0001_keys_and_slots.sql"),
-)];
+/// A migration that mirrors a Postgres one carries its number.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "keys_and_slots",
+        include_str!("../../migrations/sqlite/0001_keys_and_slots.sql"),
+    ),
+    (
+        5,
+        "slot_limits",
+        include_str!("../../migrations/sqlite/0005_slot_limits.sql"),
+    ),
+];
 
 /// The database clock, in milliseconds since the epoch.
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
@@ -492,33 +500,43 @@ impl Store for SqliteStore {
         let s = scope.to_string();
         let lease = lease.as_millis() as i64;
         Box::pin(async move {
+            // The rule of `store/postgres.rs` (`idemgate_take_slot`): the count and the
+            // insert run in one IMMEDIATE transaction, and SQLite has one writer, so no other
+            // taker can come between them.
             self.call("acquire_slot", move |tx| {
-                let free: Option<i64> = tx
-                    .query_row(
-                        &format!(
-                            "WITH RECURSIVE g(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM g WHERE n + 1 < ?2)
-                             SELECT n FROM g
-                              WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
-                                                 WHERE s.scope = ?1 AND s.slot = g.n
-                                                   AND s.lease_expires_at > {NOW})
-                              ORDER BY n LIMIT 1"
-                        ),
-                        params![s, i64::from(max_in_flight)],
-                        |r| r.get(0),
-                    )
-                    .optional()?;
-                let Some(slot) = free else { return Ok(None) };
-                let token: String = tx.query_row(
-                    &format!(
-                        "INSERT INTO idemgate_slots (scope, slot, token, lease_expires_at)
-                         VALUES (?1, ?2, lower(hex(randomblob(16))), {NOW} + ?3)
+                let now: i64 = tx.query_row(&format!("SELECT {NOW}"), [], |r| r.get(0))?;
+                let (live, least): (i64, Option<i64>) = tx
+                    .prepare_cached(
+                        "SELECT count(*), min(max_in_flight) FROM idemgate_slots
+                          WHERE scope = ?1 AND lease_expires_at > ?2",
+                    )?
+                    .query_row(params![s, now], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                let limit = i64::from(max_in_flight);
+                if live + 1 > limit || live + 1 > least.unwrap_or(limit) {
+                    return Ok(None);
+                }
+                // The lowest number no live slot holds (one of 0..=live is free).
+                let slot: i64 = tx
+                    .prepare_cached(
+                        "WITH RECURSIVE g(n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM g WHERE n < ?3)
+                         SELECT n FROM g
+                          WHERE NOT EXISTS (SELECT 1 FROM idemgate_slots s
+                                             WHERE s.scope = ?1 AND s.slot = g.n
+                                               AND s.lease_expires_at > ?2)
+                          ORDER BY n LIMIT 1",
+                    )?
+                    .query_row(params![s, now, live], |r| r.get(0))?;
+                let token: String = tx
+                    .prepare_cached(
+                        "INSERT INTO idemgate_slots (scope, slot, token, lease_expires_at, max_in_flight)
+                         VALUES (?1, ?2, lower(hex(randomblob(16))), ?3 + ?4, ?5)
                          ON CONFLICT (scope, slot) DO UPDATE
-                            SET token = excluded.token, lease_expires_at = excluded.lease_expires_at
-                         RETURNING token"
-                    ),
-                    params![s, slot, lease],
-                    |r| r.get(0),
-                )?;
+                            SET token = excluded.token,
+                                lease_expires_at = excluded.lease_expires_at,
+                                max_in_flight = excluded.max_in_flight
+                         RETURNING token",
+                    )?
+                    .query_row(params![s, slot, now, lease, limit], |r| r.get(0))?;
                 Ok(Some(Slot {
                     scope: s,
                     slot: slot as i32,

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use http::Method;
-use idemgate::store::{Claim, ClaimRequest, Deleted, Outcome};
+use idemgate::store::{Claim, ClaimRequest, Deleted, Outcome, Slot};
 
 use crate::support::*;
 
@@ -62,6 +62,8 @@ conformance!(
     a_response_too_large_to_store_reaches_the_first_client_whole_and_retries_get_502,
     at_most_max_in_flight_forwards_per_scope_run_at_once,
     a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key,
+    two_routes_on_one_scope_each_keep_their_own_limit,
+    a_slot_is_refused_past_the_takers_limit_or_any_holders_limit,
 );
 
 async fn a_retry_after_completion_gets_the_stored_answer_byte_for_byte(b: Backend) {
@@ -488,6 +490,101 @@ async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend)
     // Now the slot is free: the retry goes through.
     assert_eq!(post(&c, &gw, "a", "second", "e").await.status, 201);
     assert_eq!(up.executions(), 2);
+}
+
+/// Two keyed routes on one scope: while a request of the limit-1 route is forwarded, no
+/// other request of the scope is, and never more than 3 (the other route's limit) at all.
+async fn two_routes_on_one_scope_each_keep_their_own_limit(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(100),
+        ..Default::default()
+    })
+    .await;
+    let idem = "lease: 20s\n      serialize: { max_in_flight: 3, wait_timeout: 10s }";
+    let (gw, _db) = TestGateway::on_with(b, &up, idem, |y| {
+        crate::serialize::with_solo_route(&y.replace("timeout: 5s", "timeout: 1s"))
+    })
+    .await;
+    let urls = [gw.url("/solo"), gw.url("/pay"), gw.url("/pay")];
+    let keys = (0..18)
+        .map(|i| ("acct".to_string(), format!("k-{i}")))
+        .collect();
+    let replies = at_once(&urls, keys, "e").await;
+    assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
+    assert_eq!(up.executions(), 18);
+    assert_eq!(
+        up.max_concurrency_beside("/solo"),
+        1,
+        "a limit-1 request of the scope runs alone"
+    );
+    assert!(
+        up.max_concurrency() <= 3,
+        "max {} at once",
+        up.max_concurrency()
+    );
+}
+
+/// The slot rule at the store: a taker with limit L gets a slot only if, counting itself,
+/// the scope's live slots number at most L and at most every live holder's limit.
+async fn a_slot_is_refused_past_the_takers_limit_or_any_holders_limit(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let store = gw.store.clone();
+    let lease = Duration::from_secs(60);
+    let take = |limit: u32| {
+        let store = store.clone();
+        async move { store.acquire_slot("s", limit, lease).await.unwrap() }
+    };
+
+    let b1 = take(3).await.expect("1 of 3");
+    let b2 = take(3).await.expect("2 of 3");
+    assert_eq!(take(1).await, None, "limit 1: two others run");
+    assert_eq!(take(2).await, None, "limit 2: it would make three");
+    let b3 = take(3).await.expect("3 of 3");
+    assert_eq!(take(3).await, None, "a fourth under limit 3");
+    let other = store
+        .acquire_slot("t", 1, lease)
+        .await
+        .unwrap()
+        .expect("another scope is not affected");
+    for s in [&b1, &b2, &b3, &other] {
+        assert!(store.release_slot(s).await.unwrap(), "released");
+    }
+
+    let solo = take(1).await.expect("limit 1 on an idle scope");
+    assert_eq!(
+        take(3).await,
+        None,
+        "a limit-1 holder keeps every route out of its scope"
+    );
+    let forged = Slot {
+        token: "00000000-0000-0000-0000-000000000000".into(),
+        ..solo.clone()
+    };
+    assert!(
+        !store.release_slot(&forged).await.unwrap(),
+        "a release is fenced by its token"
+    );
+    assert_eq!(take(3).await, None, "the forged release freed nothing");
+    assert!(store.release_slot(&solo).await.unwrap());
+    let again = take(3).await.expect("free again once the holder released");
+    assert!(store.release_slot(&again).await.unwrap());
+
+    // A crashed limit-1 holder: its limit ends with its lease.
+    store
+        .acquire_slot("s", 1, Duration::from_millis(1))
+        .await
+        .unwrap()
+        .expect("limit 1 on an idle scope");
+    wait_until(
+        "the crashed holder's lease ended",
+        Duration::from_secs(10),
+        || {
+            let store = store.clone();
+            async move { store.acquire_slot("s", 3, lease).await.unwrap().is_some() }
+        },
+    )
+    .await;
 }
 
 fn claim_req<'a>(

@@ -1,5 +1,6 @@
 //! The integration tests: one binary, real Postgres, real upstreams, real concurrency.
 
+mod async_commit;
 mod cli;
 mod config_files;
 mod conformance;

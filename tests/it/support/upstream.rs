@@ -4,7 +4,11 @@
 //! Default answer: 201 with a JSON body naming the execution number, so two executions can
 //! never produce the same bytes, plus a `set-cookie` and an `x-upstream` header (which a
 //! replay must not carry) and an `etag` (which it must).
+//!
+//! It also counts concurrency: the most executions in progress at once, overall and while
+//! an execution of a given path was among them ([`Upstream::max_concurrency_beside`]).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -59,8 +63,36 @@ struct State {
     /// Executions in progress now, and the most there ever were at once.
     in_progress: AtomicUsize,
     max_in_progress: AtomicUsize,
+    by_path: Mutex<ByPath>,
     behavior: Mutex<Behavior>,
     seen: Mutex<Vec<Seen>>,
+}
+
+/// Executions in progress per path, and per path the most executions (of any path) that
+/// were in progress at once while one of that path was.
+#[derive(Default)]
+struct ByPath {
+    in_progress: HashMap<String, usize>,
+    max_beside: HashMap<String, usize>,
+}
+
+impl ByPath {
+    fn enter(&mut self, path: &str) {
+        *self.in_progress.entry(path.to_string()).or_default() += 1;
+        let total: usize = self.in_progress.values().sum();
+        for (p, n) in &self.in_progress {
+            if *n > 0 {
+                let m = self.max_beside.entry(p.clone()).or_default();
+                *m = (*m).max(total);
+            }
+        }
+    }
+
+    fn leave(&mut self, path: &str) {
+        if let Some(n) = self.in_progress.get_mut(path) {
+            *n -= 1;
+        }
+    }
 }
 
 pub struct Upstream {
@@ -162,6 +194,13 @@ impl Upstream {
         self.state.max_in_progress.load(Ordering::SeqCst)
     }
 
+    /// The most executions (of any path) that were in progress at once while an execution
+    /// of `path` was one of them (0: `path` was never executed).
+    pub fn max_concurrency_beside(&self, path: &str) -> usize {
+        let by_path = self.state.by_path.lock().unwrap();
+        by_path.max_beside.get(path).copied().unwrap_or(0)
+    }
+
     pub fn set(&self, behavior: Behavior) {
         *self.state.behavior.lock().unwrap() = behavior;
     }
@@ -181,6 +220,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
     let n = state.executions.fetch_add(1, Ordering::SeqCst) + 1;
     let now = state.in_progress.fetch_add(1, Ordering::SeqCst) + 1;
     state.max_in_progress.fetch_max(now, Ordering::SeqCst);
+    state.by_path.lock().unwrap().enter(parts.uri.path());
     state.seen.lock().unwrap().push(Seen {
         method: parts.method.to_string(),
         uri: parts.uri.to_string(),
@@ -207,6 +247,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
             body.len()
         ))
     });
+    state.by_path.lock().unwrap().leave(parts.uri.path());
     state.in_progress.fetch_sub(1, Ordering::SeqCst);
     state.answered.fetch_add(1, Ordering::SeqCst);
     Response::builder()
