@@ -23,7 +23,7 @@
 //! - A `serialize` slot is taken by one statement calling `idemgate_take_slot`, which
 //!   decides under a per-scope transaction-level advisory lock taken before it reads a row:
 //!   takers of one scope are ordered across instances, and each sees every slot committed
-//!   before it (see migrations/0005_slot_limits.sql). The lock ends with that statement's
+//!   before it (see migrations/0004_slot_limits.sql). The lock ends with that statement's
 //!   implicit transaction, so it is never held across the upstream call, and a pooler in
 //!   transaction mode keeps it on one server connection.
 
@@ -56,9 +56,9 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../migrations/0003_waiters.sql"),
     ),
     (
-        5,
+        4,
         "slot_limits",
-        include_str!("../../migrations/0005_slot_limits.sql"),
+        include_str!("../../migrations/0004_slot_limits.sql"),
     ),
 ];
 
@@ -146,7 +146,7 @@ UPDATE idemgate_keys SET waiters = true
 RETURNING 1";
 
 /// Takes a slot of a scope for a route with limit `$2`, in one round trip: the function
-/// (migrations/0005_slot_limits.sql) decides under a per-scope transaction lock, so takers on
+/// (migrations/0004_slot_limits.sql) decides under a per-scope transaction lock, so takers on
 /// every instance are ordered and none can miss another. No row back: the scope is full for
 /// this route (counting itself, more than `$2` live slots, or more than some live holder's
 /// limit).

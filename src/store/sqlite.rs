@@ -43,9 +43,9 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../../migrations/sqlite/0001_keys_and_slots.sql"),
     ),
     (
-        5,
+        2,
         "slot_limits",
-        include_str!("../../migrations/sqlite/0005_slot_limits.sql"),
+        include_str!("../../migrations/sqlite/0002_slot_limits.sql"),
     ),
 ];
 
