@@ -13,15 +13,7 @@ async fn admin_get(gw: &TestGateway, path: &str, token: Option<&str>) -> Reply {
 
 async fn admin_call(gw: &TestGateway, method: Method, path: &str, token: Option<&str>) -> Reply {
     let auth = token.map(|t| format!("Bearer {t}"));
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
-    send(
-        &client(),
-        method,
-        &format!("http://{}{path}", gw.admin),
-        &headers,
-        "",
-    )
-    .await
+    admin_request(gw, method, path, auth.as_deref()).await
 }
 
 fn metric(text: &str, line_start: &str) -> f64 {

@@ -213,17 +213,7 @@ async fn the_gateway_works_unchanged_on_a_keys_table_partitioned_by_scope() {
     ));
 }
 
-async fn admin(gw: &TestGateway, method: http::Method, path: &str, auth: Option<&str>) -> Reply {
-    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", *a)).collect();
-    send(
-        &client(),
-        method,
-        &format!("http://{}{path}", gw.admin),
-        &headers,
-        "",
-    )
-    .await
-}
+use crate::support::admin_request as admin;
 
 #[tokio::test]
 async fn a_key_in_flight_under_a_live_lease_is_deleted_only_when_forced() {

@@ -346,6 +346,27 @@ pub async fn try_send(
     })
 }
 
+/// A request to the gateway's admin API, with an `Authorization` header when given.
+pub async fn admin_request(
+    gw: &TestGateway,
+    method: Method,
+    path: &str,
+    authorization: Option<&str>,
+) -> Reply {
+    let headers: Vec<(&str, &str)> = authorization
+        .iter()
+        .map(|a| ("authorization", *a))
+        .collect();
+    send(
+        &client(),
+        method,
+        &format!("http://{}{path}", gw.admin),
+        &headers,
+        "",
+    )
+    .await
+}
+
 /// A keyed POST to `url`.
 pub async fn post_to(
     client: &TestClient,
