@@ -211,6 +211,7 @@ fn lookup_error(e: &LookupError) -> Response<Body> {
                 title: "Key in flight",
                 detail: format!("{e}; add force=true to delete it anyway."),
                 retry_after: None,
+                request_id: None,
             }
             .into_response();
         }

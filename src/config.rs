@@ -97,6 +97,7 @@ struct RawServer {
     body_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
     max_buffered_bytes: Option<RawSize>,
+    worker_threads: Option<usize>,
     tls: Option<RawServerTls>,
 }
 
@@ -304,6 +305,8 @@ pub struct ServerConfig {
     /// Request bodies and captured responses held in memory at once, across all requests
     /// (SPEC 8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
+    /// Threads of the runtime that serves requests (default: the cores available).
+    pub worker_threads: usize,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
     pub tls: Option<TlsFiles>,
 }
@@ -932,6 +935,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             raw.server.max_buffered_bytes.as_ref(),
             defaults::MAX_BUFFERED_BYTES,
         )?,
+        worker_threads: match raw.server.worker_threads {
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            Some(0) => return Err(invalid("server.worker_threads", "must be at least 1")),
+            Some(n) => n,
+        },
         tls: server_tls,
     };
     if server.max_buffered_bytes == 0 {

@@ -121,6 +121,23 @@ struct RequestLog {
     outcome: &'static str,
     key_id: Option<String>,
     upstream: Option<Duration>,
+    /// Request body bytes when known (a keyed body read whole).
+    bytes_in: Option<u64>,
+    /// Counts a streamed request body of unknown length.
+    counted_in: Option<Arc<std::sync::atomic::AtomicU64>>,
+}
+
+impl RequestLog {
+    fn new(outcome: &'static str) -> RequestLog {
+        RequestLog {
+            route: None,
+            outcome,
+            key_id: None,
+            upstream: None,
+            bytes_in: None,
+            counted_in: None,
+        }
+    }
 }
 
 /// Counts forward jobs still running (including those whose client left), so that shutdown
@@ -316,26 +333,39 @@ impl Gateway {
     /// Serves one request; never fails.
     pub async fn handle(
         self: Arc<Self>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
         client: ClientInfo,
     ) -> Response<Body> {
-        // Kept for the log line; both clones are cheap (no allocation).
-        let method = req.method().clone();
-        let uri = req.uri().clone();
         let started = Instant::now();
+        // The request id travels to the upstream with the request's headers.
+        let request_id = crate::access::request_id(req.headers());
+        req.headers_mut()
+            .insert(crate::access::X_REQUEST_ID, request_id.clone());
+        let declared_in = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .or_else(|| hyper::body::Body::is_end_stream(req.body()).then_some(0));
+        let (method, path, version) = (
+            req.method().clone(),
+            req.uri().path().to_string(),
+            req.version(),
+        );
         let routing = self.routing();
-        let mut log = RequestLog {
-            route: None,
-            outcome: outcome::PROXIED,
-            key_id: None,
-            upstream: None,
-        };
-        let (resp, error) = match self.route_request(&routing, req, client, &mut log).await {
+        let mut log = RequestLog::new(outcome::PROXIED);
+        let (mut resp, error) = match self
+            .route_request(&routing, req, client.clone(), &mut log)
+            .await
+        {
             Ok(resp) => (resp, None),
             Err(err) => {
                 log.outcome = err.outcome();
                 let close = err.closes_connection();
-                let mut resp = err.problem().into_response();
+                let mut resp = err
+                    .problem()
+                    .with_request_id(request_id.to_str().unwrap_or_default())
+                    .into_response();
                 if close {
                     resp.headers_mut()
                         .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -348,27 +378,26 @@ impl Gateway {
         if let Some(took) = log.upstream {
             self.metrics.upstream(route, took);
         }
-        // One line per request: never bodies, raw keys, scopes or credentials (the key is
-        // identified by its hash, the same id the wake-ups use).
-        let status = resp.status().as_u16();
-        let key = log.key_id.as_deref().unwrap_or("");
-        let upstream_ms = log.upstream.map_or(-1.0, |d| d.as_secs_f64() * 1000.0);
-        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
-        match &error {
-            Some(err) if resp.status().is_server_error() => tracing::warn!(
-                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
-                status, upstream_ms, elapsed_ms, key, error = %err, "request"
-            ),
-            Some(err) => tracing::info!(
-                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
-                status, upstream_ms, elapsed_ms, key, error = %err, "request"
-            ),
-            None => tracing::info!(
-                target: "idemgate::access", %method, path = uri.path(), route, outcome = log.outcome,
-                status, upstream_ms, elapsed_ms, key, "request"
-            ),
-        }
-        resp
+        resp.headers_mut()
+            .insert(crate::access::X_REQUEST_ID, request_id.clone());
+        let line = crate::access::AccessLine {
+            method,
+            path,
+            version,
+            client_ip: client.addr.ip(),
+            request_id,
+            started,
+            route: log.route,
+            outcome: log.outcome,
+            status: resp.status().as_u16(),
+            key_id: log.key_id,
+            upstream: log.upstream,
+            bytes_in: log.bytes_in.or(declared_in),
+            error: error.map(|e| e.to_string()),
+        };
+        let (parts, body) = resp.into_parts();
+        let body = crate::access::Logged::new(body, line, log.counted_in);
+        Response::from_parts(parts, body.boxed_unsync())
     }
 
     async fn route_request(
@@ -414,7 +443,17 @@ impl Gateway {
             _ => {
                 let admission = self.admit(upstream, 0)?;
                 let (parts, body) = req.into_parts();
-                let out = upstream.prepare(parts, stream(body), &client, None);
+                let body = if parts.headers.contains_key(header::CONTENT_LENGTH) {
+                    stream(body)
+                } else {
+                    // Counted for the access line (its length was not declared).
+                    let count = Arc::new(std::sync::atomic::AtomicU64::new(0));
+                    log.counted_in = Some(Arc::clone(&count));
+                    crate::access::Counted { body, count }
+                        .map_err(|e| Box::new(e) as crate::forward::BoxError)
+                        .boxed_unsync()
+                };
+                let out = upstream.prepare(parts, body, &client, None);
                 proxy(upstream, out, log, admission).await
             }
         }
@@ -441,6 +480,7 @@ impl Gateway {
         .await
         .map_err(|_| GatewayError::BodyTimeout(limit))??;
         admission.bytes.resize(body.len());
+        log.bytes_in = Some(body.len() as u64);
         let mut json = JsonBody::new(&body);
         let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
             // No key and none required: a plain forward.
@@ -609,12 +649,7 @@ impl KeyedWork {
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
-                let mut log = RequestLog {
-                    route: None,
-                    outcome: outcome::BYPASSED,
-                    key_id: None,
-                    upstream: None,
-                };
+                let mut log = RequestLog::new(outcome::BYPASSED);
                 let result = proxy(upstream, out, &mut log, admission)
                     .await
                     .map(|mut resp| {

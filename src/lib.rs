@@ -6,6 +6,7 @@
 //! - [`server`]: listener, connection limit, header read timeout, graceful shutdown.
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: upstream slots and buffered bytes.
+//! - [`access`]: request ids and the access log line of each request.
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
@@ -28,6 +29,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod admin;
 pub mod cache;
 pub mod commands;
@@ -40,6 +42,7 @@ pub mod key;
 pub mod keys;
 pub mod lab;
 pub mod limits;
+pub mod logging;
 pub mod metrics;
 pub mod path;
 pub mod problem;

@@ -107,18 +107,6 @@ enum KeysCommand {
     },
 }
 
-fn init_logging(format: LogFormat) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // `serve` logs as its config says; a bad config exits 64 before any port is bound.
@@ -132,12 +120,16 @@ fn main() -> ExitCode {
         },
         _ => None,
     };
-    init_logging(
+    idemgate::logging::init(
         serve_config
             .as_ref()
             .map_or(LogFormat::Text, |c| c.log_format),
     );
-    let runtime = match tokio::runtime::Runtime::new() {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(c) = &serve_config {
+        runtime.worker_threads(c.server.worker_threads);
+    }
+    let runtime = match runtime.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("idemgate: cannot start the runtime: {e}");
@@ -239,6 +231,7 @@ fn main() -> ExitCode {
             },
         }
     });
+    idemgate::logging::flush();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

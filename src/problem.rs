@@ -109,6 +109,8 @@ pub struct Problem {
     pub title: &'static str,
     pub detail: String,
     pub retry_after: Option<Duration>,
+    /// The request's id (`X-Request-Id`), as the extension member `request_id`.
+    pub request_id: Option<String>,
 }
 
 impl GatewayError {
@@ -277,19 +279,29 @@ impl GatewayError {
             title,
             detail,
             retry_after,
+            request_id: None,
         }
     }
 }
 
 impl Problem {
+    /// The same problem naming the request it answers.
+    pub fn with_request_id(mut self, id: &str) -> Problem {
+        self.request_id = Some(id.to_string());
+        self
+    }
+
     /// The RFC 9457 JSON body.
     pub fn body(&self) -> Bytes {
-        let v = serde_json::json!({
+        let mut v = serde_json::json!({
             "type": format!("urn:idemgate:problem:{}", self.slug),
             "title": self.title,
             "status": self.status.as_u16(),
             "detail": self.detail,
         });
+        if let Some(id) = &self.request_id {
+            v["request_id"] = serde_json::Value::String(id.clone());
+        }
         Bytes::from(serde_json::to_vec(&v).expect("a JSON value serializes"))
     }
 

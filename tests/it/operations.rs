@@ -139,11 +139,15 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     std::fs::write(&gw.config, &to_b).unwrap();
     hup(&gw);
     let url = gw.url("/pay");
+    // Each probe a new key: a probe that reached A before the reload landed is stored, and
+    // repeating its key would only replay it.
+    let probes = std::sync::atomic::AtomicUsize::new(0);
     wait_until(
         "new requests go to upstream B",
         Duration::from_secs(10),
         || async {
-            post_to(&c, &url, "acct", &format!("probe-{}", b.executions()), "x")
+            let n = probes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            post_to(&c, &url, "acct", &format!("probe-{n}"), "x")
                 .await
                 .status
                 == 201
@@ -156,7 +160,21 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
         r.status, 201,
         "the in-flight request finished on upstream A"
     );
-    assert_eq!(a.executions(), 1);
+    let on_a: Vec<_> = a
+        .seen()
+        .iter()
+        .map(|s| s.headers["idempotency-key"].to_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        on_a.iter().filter(|k| *k == "during-reload").count(),
+        1,
+        "the in-flight request ran once, on A"
+    );
+    assert!(
+        on_a.iter()
+            .all(|k| k == "during-reload" || k.starts_with("probe-")),
+        "nothing else went to A: {on_a:?}"
+    );
     assert!(
         post_to(&c, &url, "acct", "during-reload", "x")
             .await
@@ -230,7 +248,7 @@ async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
     let mut gw = GatewayProcess::start(&yaml).await;
     let c = client();
     let body = r#"{"card":"4111-secret-body"}"#;
-    send(
+    let r = send(
         &c,
         Method::POST,
         &gw.url("/pay"),
@@ -261,10 +279,88 @@ async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
         32,
         "the key appears only as its hash"
     );
-    assert!(v["upstream_ms"].as_f64().unwrap() >= 0.0);
+    assert!(v["upstream_us"].as_i64().unwrap() >= 0);
+    assert!(v["duration_us"].as_u64().unwrap() >= v["upstream_us"].as_u64().unwrap());
+    assert_eq!(v["proto"], "HTTP/1.1");
+    assert_eq!(v["client"], "127.0.0.1");
+    assert_eq!(v["bytes_out"].as_u64().unwrap() as usize, r.body.len());
+    assert!(v["bytes_in"].as_u64().unwrap() > 0);
+    assert_eq!(
+        v["request_id"].as_str().unwrap(),
+        r.headers["x-request-id"].to_str().unwrap(),
+        "the line names the id the client got"
+    );
+    assert!(!log.contains("\u{1b}["), "no ANSI escapes into a file");
     assert!(
         !log.contains("secret"),
         "no body, raw key, scope or credential in the log:\n{log}"
     );
     gw.kill();
+}
+
+#[tokio::test]
+async fn a_request_id_is_kept_or_made_forwarded_returned_and_in_problem_bodies() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        "{}log: {{ format: json }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let gw = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let given = [
+        ("idempotency-key", "k1"),
+        ("x-account-id", "a"),
+        ("x-request-id", "trace-42"),
+    ];
+    let r = send(&c, Method::POST, &gw.url("/pay"), &given, "{}").await;
+    assert_eq!(r.status, 201);
+    assert_eq!(r.headers["x-request-id"], "trace-42", "returned");
+    assert_eq!(
+        up.seen()[0].headers["x-request-id"],
+        "trace-42",
+        "forwarded"
+    );
+    // Made when absent (or not visible ASCII), different each time.
+    let plain1 = send(&c, Method::GET, &gw.url("/x"), &[], "").await;
+    let plain2 = send(
+        &c,
+        Method::GET,
+        &gw.url("/x"),
+        &[("x-request-id", "bad id")],
+        "",
+    )
+    .await;
+    let (id1, id2) = (
+        &plain1.headers["x-request-id"],
+        &plain2.headers["x-request-id"],
+    );
+    assert_ne!(id1, id2);
+    assert_ne!(id2, "bad id");
+    assert_eq!(up.seen()[1].headers["x-request-id"], id1);
+    // A problem body names the request.
+    let bad = send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", "k2"),
+            ("idempotency-key", "k3"),
+            ("x-account-id", "a"),
+            ("x-request-id", "trace-43"),
+        ],
+        "{}",
+    )
+    .await;
+    assert_eq!(bad.problem(), "key-invalid");
+    assert_eq!(bad.json()["request_id"], "trace-43");
+    wait_until("the lines are written", Duration::from_secs(10), || async {
+        gw.log_text().contains("\"request_id\":\"trace-43\"")
+    })
+    .await;
+    let log = gw.log_text();
+    let line = log.lines().find(|l| l.contains("trace-43")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert_eq!(v["outcome"], "key_invalid");
+    assert_eq!(v["status"], 400);
 }

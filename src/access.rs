@@ -1,0 +1,257 @@
+//! Following one request: its request id and its access log line.
+//!
+//! - **Request id.** A client's `X-Request-Id` is kept when it is 1-128 bytes of visible
+//!   ASCII; otherwise one is made (a random per-process prefix and a counter: unique across
+//!   instances without coordination). It is forwarded to the upstream, returned to the
+//!   client, written in the access line and put in problem bodies (`request_id`).
+//! - **Access line.** One event per request, target `idemgate::access`, written when the
+//!   response body is done with (sent, or dropped by a client that hung up), like nginx's
+//!   `$request_time`: method, path, protocol, client IP, route, outcome, status, bytes in and
+//!   out, upstream and total time in integer microseconds, the key id (never the raw key,
+//!   scope, body or credentials), and the request id. Server errors are logged at `warn`,
+//!   the rest at `info`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Version};
+use hyper::body::{Frame, SizeHint};
+use tokio::time::Instant;
+
+use crate::forward::{Body, BoxError};
+
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// Longest client request id kept.
+pub const MAX_REQUEST_ID: usize = 128;
+
+/// The client's request id if it is acceptable, else a new one.
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    let mut given = headers.get_all(&X_REQUEST_ID).iter();
+    if let (Some(v), None) = (given.next(), given.next())
+        && !v.is_empty()
+        && v.len() <= MAX_REQUEST_ID
+        && v.as_bytes().iter().all(|b| (0x21..=0x7e).contains(b))
+    {
+        return v.clone();
+    }
+    new_request_id()
+}
+
+/// A new request id: 16 hex digits fixed per process, a dash, a counter in hex.
+pub fn new_request_id() -> HeaderValue {
+    static PREFIX: OnceLock<String> = OnceLock::new();
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let prefix = PREFIX.get_or_init(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let seed = format!(
+            "{}:{}:{:?}",
+            std::process::id(),
+            now.as_nanos(),
+            std::thread::current().id()
+        );
+        crate::fingerprint::hex(&crate::fingerprint::sha256(seed.as_bytes())[..8])
+    });
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    HeaderValue::from_str(&format!("{prefix}-{n:x}"))
+        .expect("hex and a dash are a valid header value")
+}
+
+/// What the access line says about one request; filled in as the request goes.
+pub struct AccessLine {
+    pub method: Method,
+    pub path: String,
+    pub version: Version,
+    pub client_ip: std::net::IpAddr,
+    pub request_id: HeaderValue,
+    pub started: Instant,
+    pub route: Option<String>,
+    pub outcome: &'static str,
+    pub status: u16,
+    pub key_id: Option<String>,
+    pub upstream: Option<Duration>,
+    /// Request body bytes: known from the body read or `Content-Length`, else counted.
+    pub bytes_in: Option<u64>,
+    pub error: Option<String>,
+}
+
+fn protocol(v: Version) -> &'static str {
+    match v {
+        Version::HTTP_09 => "HTTP/0.9",
+        Version::HTTP_10 => "HTTP/1.0",
+        Version::HTTP_11 => "HTTP/1.1",
+        Version::HTTP_2 => "HTTP/2",
+        Version::HTTP_3 => "HTTP/3",
+        _ => "HTTP",
+    }
+}
+
+impl AccessLine {
+    /// Writes the line (see the module docs).
+    fn emit(&self, bytes_out: u64, counted_in: Option<&AtomicU64>) {
+        let route = self.route.as_deref().unwrap_or("");
+        let key = self.key_id.as_deref().unwrap_or("");
+        let upstream_us = self.upstream.map_or(-1, |d| d.as_micros() as i64);
+        let duration_us = self.started.elapsed().as_micros() as u64;
+        let bytes_in = self
+            .bytes_in
+            .or_else(|| counted_in.map(|c| c.load(Ordering::Relaxed)))
+            .unwrap_or(0);
+        let request_id = self.request_id.to_str().unwrap_or("");
+        let error = self.error.as_deref().unwrap_or("");
+        let (method, path, proto, client, status) = (
+            self.method.as_str(),
+            self.path.as_str(),
+            protocol(self.version),
+            self.client_ip,
+            self.status,
+        );
+        if status >= 500 {
+            tracing::warn!(
+                target: "idemgate::access", method, path, proto, %client, route,
+                outcome = self.outcome, status, bytes_in, bytes_out, upstream_us, duration_us,
+                key, request_id, error, "request"
+            );
+        } else {
+            tracing::info!(
+                target: "idemgate::access", method, path, proto, %client, route,
+                outcome = self.outcome, status, bytes_in, bytes_out, upstream_us, duration_us,
+                key, request_id, error, "request"
+            );
+        }
+    }
+}
+
+/// A response body that counts what it yields and writes the access line when it is done
+/// with (its end, or its drop when a client hangs up mid-body).
+pub struct Logged {
+    body: Body,
+    line: Option<AccessLine>,
+    bytes_out: u64,
+    /// Counts a request body of unknown length as it is read (plain routes).
+    counted_in: Option<Arc<AtomicU64>>,
+}
+
+impl Logged {
+    pub fn new(body: Body, line: AccessLine, counted_in: Option<Arc<AtomicU64>>) -> Logged {
+        Logged {
+            body,
+            line: Some(line),
+            bytes_out: 0,
+            counted_in,
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(line) = self.line.take() {
+            line.emit(self.bytes_out, self.counted_in.as_deref());
+        }
+    }
+}
+
+impl Drop for Logged {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+impl hyper::body::Body for Logged {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    self.bytes_out += data.len() as u64;
+                }
+                if self.body.is_end_stream() {
+                    self.finish();
+                }
+            }
+            std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => self.finish(),
+            std::task::Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A request body that counts its bytes into a shared counter (for the access line).
+pub struct Counted<B> {
+    pub body: B,
+    pub count: Arc<AtomicU64>,
+}
+
+impl<B> hyper::body::Body for Counted<B>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        if let std::task::Poll::Ready(Some(Ok(frame))) = &polled
+            && let Some(data) = frame.data_ref()
+        {
+            self.count.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_clients_request_id_is_kept_only_when_it_is_sane() {
+        let mut h = HeaderMap::new();
+        h.insert(X_REQUEST_ID, "abc-123".parse().unwrap());
+        assert_eq!(request_id(&h), "abc-123");
+        h.insert(X_REQUEST_ID, "a b".parse().unwrap());
+        assert_ne!(request_id(&h), "a b", "a space is not visible ASCII");
+        h.insert(X_REQUEST_ID, "x".repeat(129).parse().unwrap());
+        let made = request_id(&h);
+        assert!(
+            made.len() < 129 && made.as_bytes()[16] == b'-',
+            "too long: a new one"
+        );
+        h.insert(X_REQUEST_ID, "one".parse().unwrap());
+        h.append(X_REQUEST_ID, "two".parse().unwrap());
+        assert_ne!(request_id(&h), "one", "two ids: a new one");
+    }
+
+    #[test]
+    fn new_request_ids_differ() {
+        assert_ne!(new_request_id(), new_request_id());
+    }
+}
