@@ -7,6 +7,7 @@ mod conformance;
 mod crash_and_shutdown;
 mod deploy;
 mod dockerfile;
+mod docs;
 mod embedded_store;
 mod flow;
 mod health;
