@@ -10,6 +10,7 @@ mod dockerfile;
 mod docs;
 mod embedded_store;
 mod flow;
+mod guarantees;
 mod health;
 mod holes;
 mod hostile_clients;

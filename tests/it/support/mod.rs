@@ -277,6 +277,15 @@ impl Reply {
     }
 
     /// The problem `type` slug of a problem+json body.
+    /// A problem response's `detail`.
+    pub fn problem_detail(&self) -> String {
+        self.problem();
+        self.json()["detail"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    }
+
     pub fn problem(&self) -> String {
         assert_eq!(
             self.headers["content-type"], "application/problem+json",

@@ -1,0 +1,185 @@
+//! The guarantees of README section "Guarantees", each with a deterministic fault: a row
+//! lock held by the test where a race would otherwise decide, an operator's forced delete
+//! where a lease would have to run out by luck.
+
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+/// Holds a row lock on `(scope, key)` in an open transaction until the returned client's
+/// transaction ends (`COMMIT`/`ROLLBACK` on it, or drop).
+async fn lock_row(gw: &TestGateway, scope: &str, key: &str) -> tokio_postgres::Client {
+    let locker = sql(&gw.db).await;
+    locker.batch_execute("BEGIN").await.unwrap();
+    let locked = locker
+        .query(
+            "SELECT 1 FROM idemgate_keys WHERE scope = $1 AND key = $2 FOR UPDATE",
+            &[&scope, &key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(locked.len(), 1, "the row to lock exists");
+    locker
+}
+
+#[tokio::test]
+async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
+    // While the upstream works, the test locks the row: every completion attempt waits
+    // for the lock until its statement timeout (1s in the test config).
+    let locker = lock_row(&gw, &scoped("a"), "k").await;
+    let r = task.await.unwrap();
+    assert_eq!(up.answered(), 1, "the upstream did the work");
+    assert_eq!(
+        (r.status, r.problem().as_str()),
+        (503, "store-unavailable"),
+        "never the 2xx that a retry could not get again"
+    );
+    assert!(
+        r.problem_detail().contains("409"),
+        "it says what a retry gets"
+    );
+    drop(locker);
+    assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("in_flight"));
+    let c = client();
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(retry.status, 409, "in flight until its lease ends");
+}
+
+#[tokio::test]
+async fn guarantee_3_the_client_gets_its_answer_only_once_it_is_committed() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(300),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
+    let locker = lock_row(&gw, &scoped("a"), "k").await;
+    // The completion now waits behind our lock (its statement timeout is 1s).
+    let watcher = gw.sql().await;
+    wait_for_a_lock_waiter(&watcher).await;
+    assert!(!task.is_finished(), "no answer while the completion waits");
+    locker.batch_execute("COMMIT").await.unwrap();
+    let r = task.await.unwrap();
+    assert_eq!(r.status, 201);
+    assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("completed"));
+    let c = client();
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert_eq!(up.executions(), 1);
+}
+
+#[tokio::test]
+async fn a_lease_lost_at_the_gateway_still_answers_its_client_and_is_counted() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
+    // An operator forces the key away mid-flight: the holder's lease is gone.
+    let forced = admin_request(
+        &gw,
+        http::Method::DELETE,
+        "/v1/keys?scope=a&key=k&force=true",
+        None,
+    )
+    .await;
+    assert_eq!(forced.status, 204);
+    let r = task.await.unwrap();
+    assert_eq!(
+        r.status, 201,
+        "the stale holder's client still gets the answer"
+    );
+    assert_eq!(
+        row_state(&gw, "a", "k").await,
+        None,
+        "and nothing was written"
+    );
+    let metrics = admin_request(&gw, http::Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        text.contains("idemgate_leases_total{route=\"payments\",event=\"lost\"} 1"),
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn a_waiter_forwards_itself_once_the_first_attempt_released_its_key() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(400),
+        script: vec![503],
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
+    // A duplicate arrives while the first is in flight: it waits (in_flight: wait).
+    let url = gw.url("/pay");
+    let waiter = tokio::spawn(async move { post_to(&client(), &url, "a", "k", "x").await });
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status, 503,
+        "a retryable status: passed on, key released"
+    );
+    let second = waiter.await.unwrap();
+    assert_eq!(
+        second.status, 201,
+        "the waiter claimed the released key and forwarded"
+    );
+    assert!(!second.replayed());
+    assert_eq!(up.executions(), 2);
+    assert_eq!(row_state(&gw, "a", "k").await.as_deref(), Some("completed"));
+}
+
+#[tokio::test]
+async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "ttl: 3s\n      lease: 3s", |y| {
+        let short = y.replace(
+            "connect_timeout: 200ms, timeout: 5s",
+            "connect_timeout: 200ms, timeout: 1s",
+        );
+        assert_ne!(short, y, "the upstream timeout was shortened");
+        short
+    })
+    .await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(first.status, 201);
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    wait_until("the ttl runs out", Duration::from_secs(10), || async {
+        !post(&c, &gw, "a", "k", "x").await.replayed()
+    })
+    .await;
+    assert_eq!(up.executions(), 2, "forgotten after ttl: a new request");
+}
+
+#[tokio::test]
+async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let c = client();
+    assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    let _locker = lock_row(&gw, &scoped("a"), "k").await;
+    let started = Instant::now();
+    // Another request under the locked key: its claim waits for the lock until the
+    // statement timeout (1s), then the client is told the store is unavailable.
+    let r = post(&c, &gw, "a", "k", "other body").await;
+    let elapsed = started.elapsed();
+    assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"));
+    // A hang check against the configured bound (acquire 500ms + statement 1s), with a
+    // generous margin for a loaded machine: not a speed claim.
+    assert!(
+        elapsed < Duration::from_secs(6),
+        "answered after {elapsed:?}"
+    );
+    assert_eq!(up.executions(), 1, "nothing was forwarded");
+}
