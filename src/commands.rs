@@ -82,6 +82,12 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
         None => None,
     };
     tracing::info!(listen = %listener.local_addr()?, routes = config.routes.len(), "idemgate serving");
+    // On stdout whatever the log filter, so a supervisor (or a test) that asked for port 0
+    // learns the bound address.
+    println!("idemgate: listening on {}", listener.local_addr()?);
+    if let Some(admin) = &admin {
+        println!("idemgate: admin on {}", admin.local_addr()?);
+    }
     let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(admin) = admin {

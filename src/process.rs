@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-/// A port that was free a moment ago (bind 127.0.0.1:0, read it, release it).
+/// A port that was free a moment ago (bind 127.0.0.1:0, read it, release it). Only for an
+/// address that must have nothing listening (a refused connection); never to listen on.
 pub fn free_port() -> std::io::Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
@@ -19,6 +20,8 @@ pub struct GatewayProcess {
     /// The child's `RUST_LOG`.
     log_filter: String,
     pub addr: SocketAddr,
+    /// The admin listener's address, when the config has one.
+    pub admin: Option<SocketAddr>,
     /// The config file it runs with.
     pub config: PathBuf,
     log: PathBuf,
@@ -26,8 +29,10 @@ pub struct GatewayProcess {
 }
 
 impl GatewayProcess {
-    /// Writes `yaml` into `dir` (its `listen: 127.0.0.1:0` replaced by a free port) and
-    /// starts `exe serve` on it, waiting (up to 30 s) until it accepts connections.
+    /// Writes `yaml` into `dir` and starts `exe serve` on it, waiting (up to 30 s) until it
+    /// accepts connections. Listeners on port 0 are bound by the process itself, which prints
+    /// the addresses; the config is then rewritten with them, so a restart comes back on the
+    /// same ports (no port is picked, released and hoped for).
     pub async fn start(exe: &Path, dir: &Path, yaml: &str) -> Result<GatewayProcess, String> {
         let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "idemgate=debug".into());
         GatewayProcess::start_logging(exe, dir, yaml, &filter).await
@@ -41,19 +46,40 @@ impl GatewayProcess {
         yaml: &str,
         log_filter: &str,
     ) -> Result<GatewayProcess, String> {
-        let port = free_port().map_err(|e| format!("no free port: {e}"))?;
-        let yaml = yaml.replace("listen: 127.0.0.1:0", &format!("listen: 127.0.0.1:{port}"));
-        let config = dir.join(format!("gateway-{port}.yaml"));
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static N: AtomicUsize = AtomicUsize::new(0);
+        let n = format!(
+            "{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::SeqCst)
+        );
+        let config = dir.join(format!("gateway-{n}.yaml"));
         std::fs::write(&config, yaml).map_err(|e| format!("writing {}: {e}", config.display()))?;
         let mut p = GatewayProcess {
             exe: exe.to_path_buf(),
             log_filter: log_filter.to_string(),
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            log: dir.join(format!("gateway-{port}.log")),
+            addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            admin: None,
+            log: dir.join(format!("gateway-{n}.log")),
             config,
             child: None,
         };
         p.spawn().await?;
+        // Pin the bound ports for restarts (and for tools that read the config).
+        let mut pinned = String::with_capacity(yaml.len());
+        for line in yaml.lines() {
+            let port = if line.starts_with("listen:") {
+                Some(p.addr.port())
+            } else if line.starts_with("admin:") {
+                p.admin.map(|a| a.port())
+            } else {
+                None
+            };
+            pinned.push_str(&port.map_or_else(|| line.to_string(), |port| pin_port(line, port)));
+            pinned.push('\n');
+        }
+        std::fs::write(&p.config, pinned)
+            .map_err(|e| format!("writing {}: {e}", p.config.display()))?;
         Ok(p)
     }
 
@@ -65,6 +91,8 @@ impl GatewayProcess {
                 .open(&self.log)
                 .map_err(|e| format!("opening {}: {e}", self.log.display()))
         };
+        // The log is appended to across restarts: only this start's lines count.
+        let skip = std::fs::metadata(&self.log).map_or(0, |m| m.len() as usize);
         let child = Command::new(&self.exe)
             .args(["serve", "--config"])
             .arg(&self.config)
@@ -76,7 +104,28 @@ impl GatewayProcess {
             .map_err(|e| format!("starting {}: {e}", self.exe.display()))?;
         self.child = Some(child);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while tokio::net::TcpStream::connect(self.addr).await.is_err() {
+        let wants_admin = std::fs::read_to_string(&self.config)
+            .is_ok_and(|c| c.lines().any(|l| l.starts_with("admin:")));
+        loop {
+            let text = self.log_text();
+            let fresh = text.get(skip..).unwrap_or("");
+            if let Some(at) = fresh.find("idemgate: listening on ") {
+                let rest = &fresh[at + "idemgate: listening on ".len()..];
+                if let Some(addr) = rest.lines().next().and_then(|l| l.trim().parse().ok()) {
+                    self.addr = addr;
+                    if let Some(at) = fresh.find("idemgate: admin on ") {
+                        self.admin = fresh[at + "idemgate: admin on ".len()..]
+                            .lines()
+                            .next()
+                            .and_then(|l| l.trim().parse().ok());
+                    }
+                    if (self.admin.is_some() || !wants_admin)
+                        && tokio::net::TcpStream::connect(self.addr).await.is_ok()
+                    {
+                        break;
+                    }
+                }
+            }
             let child = self.child.as_mut().expect("just started");
             if let Ok(Some(status)) = child.try_wait() {
                 self.child = None;
@@ -150,6 +199,22 @@ impl GatewayProcess {
 
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{}", self.addr, path)
+    }
+}
+
+/// `line` with the port 0 of its `listen:` value replaced by `port` (the host kept).
+fn pin_port(line: &str, port: u16) -> String {
+    let Some(at) = line.find("listen:") else {
+        return line.to_string();
+    };
+    let value_start = at + "listen:".len();
+    let rest = &line[value_start..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    let value = rest[..end].trim();
+    let unquoted = value.trim_matches('"');
+    match unquoted.strip_suffix(":0") {
+        Some(host) => format!("{} {host}:{port}{}", &line[..value_start], &rest[end..]),
+        None => line.to_string(),
     }
 }
 

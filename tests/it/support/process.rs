@@ -11,7 +11,7 @@ pub struct GatewayProcess {
 }
 
 impl GatewayProcess {
-    /// Writes `yaml` (its `listen` replaced by a free port) and starts `idemgate serve`.
+    /// Writes `yaml` and starts `idemgate serve`; listeners on port 0 are bound by the process.
     pub async fn start(yaml: &str) -> GatewayProcess {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
