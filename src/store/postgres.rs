@@ -1,13 +1,18 @@
 //! The Postgres store: the claim SQL, fenced by lease token, and the migrations.
 //!
 //! Invariants:
-//! - The claim is one statement (`INSERT ... ON CONFLICT DO UPDATE ... WHERE <claimable>`
-//!   in a CTE, plus a read of the existing row when nothing was claimed). Under READ COMMITTED
-//!   the read uses the statement's snapshot, while the INSERT waits for and sees rows
-//!   committed after it: the read can then find no row, or an older version that would itself
-//!   have been claimable (`stale`). Either way the statement is simply run again (a new
-//!   snapshot sees the newer row); an older version that was not claimable is safe to act on
-//!   (it says "in flight", and waiting looks again).
+//! - A new key is claimed by one plain `INSERT ... ON CONFLICT DO NOTHING RETURNING`
+//!   (`CLAIM_NEW_SQL`), the common case at the cost of a bare insert. Only when the key exists
+//!   does the full claim run: one statement (`INSERT ... ON CONFLICT DO UPDATE ... WHERE
+//!   <claimable>` in a CTE, plus a read of the existing row when nothing was claimed) that
+//!   decides every other case by itself; nothing is decided by a read followed by a write.
+//!   Under READ COMMITTED the read uses the statement's snapshot, while the INSERT waits for
+//!   and sees rows committed after it: the read can then find no row, or an older version
+//!   that would itself have been claimable (`stale`). Either way the full statement is simply
+//!   run again (a new snapshot sees the newer row); an older version that was not claimable
+//!   is safe to act on (it says "in flight", and waiting looks again). The plain insert needs
+//!   no such care: it either inserts, or waits for a concurrent writer of the key and then
+//!   leaves the decision to the full statement, whose snapshot is taken after that wait.
 //! - An expired lease is taken over only by the same request (same fingerprint); a
 //!   different request under that key is a mismatch, as for a live one.
 //! - An in-flight row whose lease expired is taken over, unless the route holds unknown
@@ -16,6 +21,13 @@
 //! - Every write after a claim carries `lease_token = $token`, so an attempt whose lease was
 //!   taken over can never overwrite its successor.
 //! - `now()` (the database clock) sets every lease and expiry.
+//! - The table has no CHECK constraints (PostgreSQL re-parses each one at every statement's
+//!   start): the statements that write keep what they guarded. Only the claims write
+//!   `in_flight`, always with a generated lease token and a lease expiry; the completion can
+//!   only write `completed` with status, headers and body, or `not_replayable` or `unknown`,
+//!   and fails on anything else (`tests/it/row_invariants.rs`).
+//! - The completion changes no indexed column (garbage collection indexes `gc_after`, set only
+//!   by a claim), so it can be a HOT update: no index entry, the page of its claim.
 //! - Every call is bounded: pool acquire by `acquire_timeout`, statements by the server's
 //!   `statement_timeout` and by the same bound on the client side; a connection whose
 //!   statement timed out on the client side is detached from the pool, never reused.
@@ -60,19 +72,41 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "slot_limits",
         include_str!("../../migrations/0004_slot_limits.sql"),
     ),
+    (
+        5,
+        "lean_writes",
+        include_str!("../../migrations/0005_lean_writes.sql"),
+    ),
 ];
 
 /// The advisory lock key that serializes migrations (and nothing else).
 const MIGRATION_LOCK: i64 = 0x1de0_6a7e_0001;
 
+/// The claim of a new key, the common case: a plain insert, nothing when the key exists
+/// (then [`CLAIM_SQL`] decides). `gc_after` is the claim time + ttl: a completion, later,
+/// sets `expires_at` to its own time + ttl, so `gc_after <= expires_at` always.
+/// `$5` and `$6` are bound from integers, never NULL, so the row always has its lease.
+const CLAIM_NEW_SQL: &str = "
+INSERT INTO idemgate_keys
+    (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
+     created_at, expires_at, gc_after)
+VALUES ($1, $2, $3, $4, 'in_flight', gen_random_uuid(),
+        now() + $5::bigint * interval '1 millisecond', 1,
+        now(), now() + $6::bigint * interval '1 millisecond',
+        now() + $6::bigint * interval '1 millisecond')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING lease_token::text";
+
+/// The claim when the key exists: takes it over when claimable, or reads what is there.
 const CLAIM_SQL: &str = "
 WITH claimed AS (
     INSERT INTO idemgate_keys AS k
         (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
-         created_at, expires_at)
+         created_at, expires_at, gc_after)
     VALUES ($1, $2, $3, $4, 'in_flight', gen_random_uuid(),
             now() + $5::bigint * interval '1 millisecond', 1,
-            now(), now() + $6::bigint * interval '1 millisecond')
+            now(), now() + $6::bigint * interval '1 millisecond',
+            now() + $6::bigint * interval '1 millisecond')
     ON CONFLICT (scope, key) DO UPDATE SET
         route = EXCLUDED.route,
         fingerprint = EXCLUDED.fingerprint,
@@ -84,7 +118,8 @@ WITH claimed AS (
         status = NULL, headers = NULL, body = NULL, waiters = false,
         created_at = EXCLUDED.created_at,
         completed_at = NULL,
-        expires_at = EXCLUDED.expires_at
+        expires_at = EXCLUDED.expires_at,
+        gc_after = EXCLUDED.gc_after
     WHERE k.expires_at <= now()
        OR (NOT $7 AND k.state = 'in_flight' AND k.lease_expires_at <= now()
            AND k.fingerprint = EXCLUDED.fingerprint)
@@ -112,30 +147,36 @@ SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
 /// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
 pub const CHANNEL: &str = "idemgate_keys";
 
-// Every write that ends an attempt announces it in the same statement (one round trip) when
-// someone waits for the key (`waiters`, set by `WATCH_SQL`); NOTIFY is transactional, so
-// waiters hear of it only once it is committed. The first column says whether a row was
-// written (0: the lease was lost, nothing written, nothing announced).
-const FINISH_SQL: &str = "
-WITH done AS (
-    UPDATE idemgate_keys
-       SET state = $4, status = $5, headers = $6, body = $7,
-           lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
-           expires_at = now() + $8::bigint * interval '1 millisecond'
-     WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
-    RETURNING waiters
-),
-announced AS (SELECT pg_notify('idemgate_keys', $9) FROM done WHERE waiters)
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM announced)";
+/// The completion of a claimed attempt, fenced by its lease token.
+///
+/// Every write that ends an attempt announces it in the same statement (one round trip) when
+/// someone waits for the key (`waiters`, set by `WATCH_SQL`); NOTIFY is transactional, so
+/// waiters hear of it only once it is committed. A row back means the row was written; none:
+/// the lease was lost, nothing written, nothing announced.
+///
+/// It writes no indexed column (so it can be a HOT update), and it guards the row's
+/// invariants itself: `state` becomes `completed` only with status, headers and body, or
+/// `not_replayable` or `unknown`; anything else makes it NULL, which the NOT NULL on `state`
+/// refuses (the statement fails and writes nothing). The row it leaves has no lease.
+pub const FINISH_SQL: &str = "
+UPDATE idemgate_keys
+   SET state = CASE
+           WHEN $4::text = 'completed'
+                AND $5::integer IS NOT NULL AND $6::bytea IS NOT NULL AND $7::bytea IS NOT NULL
+               THEN 'completed'
+           WHEN $4::text IN ('not_replayable', 'unknown') THEN $4::text
+       END,
+       status = $5, headers = $6, body = $7,
+       lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + $8::bigint * interval '1 millisecond'
+ WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
+RETURNING CASE WHEN waiters THEN pg_notify('idemgate_keys', $9) END AS announced";
 
+/// The release of a claimed attempt (a retry forwards again), announced like a completion.
 const RELEASE_SQL: &str = "
-WITH done AS (
-    DELETE FROM idemgate_keys
-     WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
-    RETURNING waiters
-),
-announced AS (SELECT pg_notify('idemgate_keys', $4) FROM done WHERE waiters)
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM announced)";
+DELETE FROM idemgate_keys
+ WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
+RETURNING CASE WHEN waiters THEN pg_notify('idemgate_keys', $4) END AS announced";
 
 /// A waiter asks to be told when the key is finished. The row lock orders it against the
 /// finishing write: either the finisher sees `waiters` and announces, or this statement sees
@@ -180,12 +221,13 @@ SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
 const GC_LOCK: i64 = 0x1de0_6a7e_0002;
 
 /// One batch of expired rows, by full key (so it works on a table partitioned by scope);
-/// rows locked by a concurrent claim are skipped, not waited for.
+/// rows locked by a concurrent claim are skipped, not waited for. Found by the index on
+/// `gc_after` (never later than `expires_at`); only rows whose `expires_at` passed go.
 const GC_SQL: &str = "
 DELETE FROM idemgate_keys
  WHERE (scope, key) IN (SELECT scope, key FROM idemgate_keys
-                         WHERE expires_at <= now()
-                         ORDER BY expires_at
+                         WHERE gc_after <= now() AND expires_at <= now()
+                         ORDER BY gc_after
                          LIMIT $1
                            FOR UPDATE SKIP LOCKED)";
 
@@ -206,6 +248,13 @@ done AS (
 announced AS (SELECT pg_notify('idemgate_keys', $4) FROM done)
 SELECT t.route, t.live, (SELECT count(*) FROM done) > 0, (SELECT count(*) FROM announced)
   FROM target t";
+
+/// What one claim's statements found: a new key claimed by the plain insert, or the full
+/// statement's row (none: look again, see the module docs).
+enum Found {
+    New(LeaseToken),
+    Existing(Option<tokio_postgres::Row>),
+}
 
 pub struct PgStore {
     pool: Pool,
@@ -434,12 +483,31 @@ impl PgStore {
         Ok(applied)
     }
 
-    async fn claim_once(&self, req: &ClaimRequest<'_>) -> Result<Option<Claim>, StoreError> {
+    /// One claim: with `try_new`, first the plain insert of a new key ([`CLAIM_NEW_SQL`]);
+    /// when the key exists (or without `try_new`), the full statement ([`CLAIM_SQL`]). Both
+    /// run on one connection within one statement bound.
+    async fn claim_once(
+        &self,
+        req: &ClaimRequest<'_>,
+        try_new: bool,
+    ) -> Result<Option<Claim>, StoreError> {
         let lease_ms = req.lease.as_millis() as i64;
         let ttl_ms = req.ttl.as_millis() as i64;
         let fp: &[u8] = req.fingerprint;
-        let row = self
+        let found = self
             .with_conn("claim", async |c| {
+                if try_new {
+                    let stmt = c.prepare_cached(CLAIM_NEW_SQL).await?;
+                    let new = c
+                        .query_opt(
+                            &stmt,
+                            &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms],
+                        )
+                        .await?;
+                    if let Some(row) = new {
+                        return Ok(Found::New(LeaseToken(row.get(0))));
+                    }
+                }
                 let stmt = c.prepare_cached(CLAIM_SQL).await?;
                 c.query_opt(
                     &stmt,
@@ -454,9 +522,19 @@ impl PgStore {
                     ],
                 )
                 .await
+                .map(Found::Existing)
             })
             .await?;
-        let Some(row) = row else { return Ok(None) };
+        let row = match found {
+            Found::New(token) => {
+                return Ok(Some(Claim::Acquired {
+                    token,
+                    took_over: false,
+                }));
+            }
+            Found::Existing(None) => return Ok(None),
+            Found::Existing(Some(row)) => row,
+        };
         if row.get::<_, bool>("stale") {
             return Ok(None);
         }
@@ -519,8 +597,9 @@ impl Store for PgStore {
             // A row committed after our snapshot but before our insert's conflict check makes
             // the statement return nothing (or a stale version): run it again. Five such
             // answers in a row would need five such races; treat that as the store misbehaving.
-            for _ in 0..5 {
-                if let Some(claim) = self.claim_once(&req).await? {
+            // Only the first try can find the key new: a retry follows a row seen.
+            for attempt in 0..5 {
+                if let Some(claim) = self.claim_once(&req, attempt == 0).await? {
                     return Ok(claim);
                 }
             }
@@ -539,12 +618,12 @@ impl Store for PgStore {
         Box::pin(async move {
             let ttl_ms = ttl.as_millis() as i64;
             let id = key_id(scope, key);
-            let rows = self
+            let written = self
                 .with_conn("finish", async |c| {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
                         let stmt = c.prepare_cached(RELEASE_SQL).await?;
-                        return c.query_one(&stmt, &[&scope, &key, &token, &id]).await;
+                        return c.query_opt(&stmt, &[&scope, &key, &token, &id]).await;
                     }
                     let FinishRow {
                         state,
@@ -553,7 +632,7 @@ impl Store for PgStore {
                         body,
                     } = FinishRow::of(&outcome);
                     let stmt = c.prepare_cached(FINISH_SQL).await?;
-                    c.query_one(
+                    c.query_opt(
                         &stmt,
                         &[
                             &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
@@ -562,7 +641,7 @@ impl Store for PgStore {
                     .await
                 })
                 .await?;
-            Ok(rows.get::<_, i64>(0) == 1)
+            Ok(written.is_some())
         })
     }
 

@@ -334,9 +334,9 @@ async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_an
     let tx = blocker.transaction().await.unwrap();
     tx.execute(
         "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, lease_token,
-                                    lease_expires_at, expires_at)
+                                    lease_expires_at, expires_at, gc_after)
          VALUES ('header:a', 'k', 'payments', '\\x00', 'in_flight', gen_random_uuid(),
-                 now() + interval '1 hour', now() + interval '1 hour')",
+                 now() + interval '1 hour', now() + interval '1 hour', now() + interval '1 hour')",
         &[],
     )
     .await

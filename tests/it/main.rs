@@ -19,6 +19,7 @@ mod lab;
 mod operations;
 mod operator_tools;
 mod replay_cache;
+mod row_invariants;
 mod serialize;
 mod status_table;
 mod store_claim;

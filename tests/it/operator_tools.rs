@@ -16,8 +16,8 @@ async fn insert_rows(db: &tokio_postgres::Client, scope: &str, n: i32, past: boo
     };
     db.execute(
         &format!(
-            "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, status, headers, body, expires_at)
-             SELECT $1, 'k' || g, 'r', '\\x00', 'completed', 201, '', 'b', {expiry}
+            "INSERT INTO idemgate_keys (scope, key, route, fingerprint, state, status, headers, body, expires_at, gc_after)
+             SELECT $1, 'k' || g, 'r', '\\x00', 'completed', 201, '', 'b', {expiry}, {expiry}
                FROM generate_series(1, $2) g"
         ),
         &[&scope, &n],
@@ -184,11 +184,11 @@ async fn the_gateway_works_unchanged_on_a_keys_table_partitioned_by_scope() {
              CREATE TABLE idemgate_keys (LIKE idemgate_keys_old INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
                PARTITION BY HASH (scope);
              ALTER TABLE idemgate_keys ADD PRIMARY KEY (scope, key);
-             CREATE INDEX ON idemgate_keys (expires_at);
-             CREATE TABLE idemgate_keys_p0 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 0);
-             CREATE TABLE idemgate_keys_p1 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 1);
-             CREATE TABLE idemgate_keys_p2 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 2);
-             CREATE TABLE idemgate_keys_p3 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 3);
+             CREATE INDEX ON idemgate_keys (gc_after);
+             CREATE TABLE idemgate_keys_p0 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 0) WITH (fillfactor = 90);
+             CREATE TABLE idemgate_keys_p1 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 1) WITH (fillfactor = 90);
+             CREATE TABLE idemgate_keys_p2 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 2) WITH (fillfactor = 90);
+             CREATE TABLE idemgate_keys_p3 PARTITION OF idemgate_keys FOR VALUES WITH (MODULUS 4, REMAINDER 3) WITH (fillfactor = 90);
              INSERT INTO idemgate_keys SELECT * FROM idemgate_keys_old;
              DROP TABLE idemgate_keys_old;
              COMMIT;",

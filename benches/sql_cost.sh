@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# PostgreSQL CPU per new key of the store's own SQL, at two revisions, next to a bare pair.
+#
+#   benches/sql_cost.sh BEFORE_REV AFTER_REV
+#
+# For each revision: the keys table from that revision's migrations, and pgbench driving that
+# revision's claim of a new key (CLAIM_NEW_SQL if it has one, else CLAIM_SQL) and its
+# completion (FINISH_SQL), taken from src/store/postgres.rs, as prepared statements, two
+# autocommits per key, like the gateway. The bare pair is the least any claim + completion
+# can cost: a plain INSERT ... ON CONFLICT DO NOTHING RETURNING and a fenced UPDATE on a
+# table with only its primary key (the db-limit anchor of the shared perf harness).
+#
+# It starts its own throwaway cluster with stock settings (fsync and synchronous_commit on),
+# runs the three interleaved for ROUNDS rounds, and prints, per run, keys/s and the CPU time
+# of the whole cluster (postmaster, backends, background processes; /proc) per key, and how
+# many completions were HOT updates. On a shared machine read the ratios within a round.
+#
+# Environment: ROUNDS (3), DUR seconds per run (10), CLIENTS (32), PGBIN (the newest
+# /usr/lib/postgresql/*/bin). Needs git, pgbench and the PostgreSQL server binaries; run as
+# root (the cluster then runs as the postgres user) or as a user who may run initdb.
+set -euo pipefail
+
+BEFORE=${1:?usage: benches/sql_cost.sh BEFORE_REV AFTER_REV}
+AFTER=${2:?usage: benches/sql_cost.sh BEFORE_REV AFTER_REV}
+ROUNDS=${ROUNDS:-3}
+DUR=${DUR:-10}
+CLIENTS=${CLIENTS:-32}
+PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
+ROOT=$(git rev-parse --show-toplevel)
+WORK=$(mktemp -d)
+chmod 755 "$WORK"
+HZ=$(getconf CLK_TCK)
+
+as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+mkdir -p "$WORK/pg"
+[[ $(id -u) == 0 ]] && chown postgres "$WORK/pg"
+as_pg "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres --auth=trust --no-sync >/dev/null
+as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
+  -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1 -c max_connections=100" start >/dev/null
+cleanup() {
+  as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast -w stop >/dev/null 2>&1 || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
+PM=$(head -1 "$WORK/pg/data/postmaster.pid")
+psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
+
+# CPU ticks of the cluster: the postmaster with its reaped children, and its live children.
+# A backend that exited but is not reaped yet is in neither, so callers wait for pgbench's
+# backends to be reaped first; and if the postmaster reaps one while we read, read again.
+ticks() {
+  local line own cut cut2 kids c try
+  for try in $(seq 20); do
+    read -r line <"/proc/$PM/stat"
+    line=${line##*) }
+    set -- $line
+    own=$((${12} + ${13}))
+    cut=$((${14} + ${15}))
+    kids=0
+    for c in $(ps -o pid= --ppid "$PM"); do
+      read -r line 2>/dev/null <"/proc/$c/stat" || continue
+      line=${line##*) }
+      set -- $line
+      kids=$((kids + ${12} + ${13}))
+    done
+    read -r line <"/proc/$PM/stat"
+    line=${line##*) }
+    set -- $line
+    cut2=$((${14} + ${15}))
+    [[ $cut == "$cut2" ]] && break
+    sleep 0.05
+  done
+  echo $((own + cut + kids))
+}
+
+# Waits until no backend of database $1 is left (pgbench's have exited and been reaped).
+settle() {
+  local i
+  for i in $(seq 100); do
+    [[ $(psql_q -tA -c "SELECT count(*) FROM pg_stat_activity WHERE datname = '$1'" postgres) == 0 ]] &&
+      [[ -z $(ps -o stat= --ppid "$PM" | grep Z) ]] && return
+    sleep 0.1
+  done
+}
+
+# The text of `const NAME: &str = "...";` in a revision's src/store/postgres.rs.
+sql_const() { # rev name
+  git -C "$ROOT" show "$1:src/store/postgres.rs" |
+    awk -v name="$2" '
+      !done && index($0, "const " name ": &str = \"") { on = 1; sub(/.*= "/, ""); }
+      on { if (sub(/";$/, "")) { on = 0; done = 1 } print }'
+}
+
+# A pgbench script for one revision: claim ($N -> :cN), then completion ($N -> :fN).
+script_for() { # rev file
+  local rev=$1 out=$2 claim token
+  if [[ -n $(sql_const "$rev" CLAIM_NEW_SQL) ]]; then
+    claim=$(sql_const "$rev" CLAIM_NEW_SQL)
+    token=g_lease_token
+  else
+    claim=$(sql_const "$rev" CLAIM_SQL)
+    token=g_token
+  fi
+  {
+    echo '\set c1 random(0, 99)'
+    echo '\set c2 random(1, 9000000000000000000)'
+    echo '\set f1 :c1'
+    echo '\set f2 :c2'
+    sed -E 's/\$([0-9])/:c\1/g' <<<"$claim"
+    echo '\gset g_'
+    sql_const "$rev" FINISH_SQL | sed -E "s/\\\$3/:$token/g; s/\\\$([0-9])/:f\\1/g"
+    echo ';'
+  } >"$out"
+}
+
+schema_for() { # rev db
+  local f
+  for f in $(git -C "$ROOT" ls-tree --name-only "$1" migrations/ | grep '\.sql$' | sort); do
+    git -C "$ROOT" show "$1:$f" | psql_q "$2"
+  done
+}
+
+cat >"$WORK/bare_schema.sql" <<'SQL'
+CREATE TABLE idemgate_keys (
+    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, state smallint NOT NULL,
+    lease_token uuid, lease_expires_at timestamptz, status smallint, headers bytea, body bytea,
+    expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key));
+SQL
+cat >"$WORK/bare.sql" <<'SQL'
+\set c1 random(0, 99)
+\set c2 random(1, 9000000000000000000)
+INSERT INTO idemgate_keys (scope, key, fingerprint, state, lease_token, lease_expires_at, expires_at)
+VALUES (:c1, :c2, :c4, 0, gen_random_uuid(), now() + interval '30 seconds', now() + interval '24 hours')
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING scope AS s, key AS k, lease_token AS tok \gset
+UPDATE idemgate_keys
+   SET state = 1, status = 200, headers = :f6, body = :f7,
+       lease_expires_at = NULL, expires_at = now() + interval '24 hours'
+ WHERE scope = :s AND key = :k AND lease_token = :tok::uuid;
+SQL
+script_for "$BEFORE" "$WORK/before.sql"
+script_for "$AFTER" "$WORK/after.sql"
+
+FP='\x'$(printf 'fingerprint' | sha256sum | cut -c1-64)
+PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1
+  -D "c3=pay" -D "c4=$FP" -D c5=30000 -D c6=86400000 -D c7=false
+  -D f4=completed -D f5=200 -D "f6=content-type: application/json" -D 'f7={"ok":true}'
+  -D f8=86400000 -D f9=0123456789abcdef)
+
+run() { # which round
+  local which=$1 round=$2 db=${1}_$2 a b n hot
+  psql_q -c "CREATE DATABASE $db" postgres
+  case $which in
+    before) schema_for "$BEFORE" "$db" ;;
+    after) schema_for "$AFTER" "$db" ;;
+    bare) psql_q -f "$WORK/bare_schema.sql" "$db" ;;
+  esac
+  "${PGB[@]}" -T 2 -f "$WORK/$which.sql" "$db" >"$WORK/$db.warm.log" 2>&1 ||
+    { echo "pgbench failed:"; tail -3 "$WORK/$db.warm.log"; exit 1; }
+  psql_q -c CHECKPOINT "$db"
+  settle "$db"
+  a=$(ticks)
+  "${PGB[@]}" -T "$DUR" -f "$WORK/$which.sql" "$db" >"$WORK/$db.log" 2>&1 ||
+    { echo "pgbench failed:"; tail -3 "$WORK/$db.log"; exit 1; }
+  settle "$db"
+  b=$(ticks)
+  n=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$WORK/$db.log")
+  sleep 2 # the backends report their table counters within a second or so of going idle
+  hot=$(psql_q -tA -c "SELECT n_tup_hot_upd || ' of ' || n_tup_upd FROM pg_stat_user_tables
+                        WHERE relname = 'idemgate_keys'" "$db")
+  awk -v w="$which" -v r="$round" -v n="$n" -v d=$((b - a)) -v hz="$HZ" -v dur="$DUR" -v hot="$hot" \
+    'BEGIN { printf "| %d | %s | %.0f | %.0f | %s |\n", r, w, n / dur, d / hz * 1e6 / n, hot }'
+  psql_q -c "DROP DATABASE $db" postgres
+}
+
+echo "before: $(git -C "$ROOT" rev-parse --short "$BEFORE"), after: $(git -C "$ROOT" rev-parse --short "$AFTER");" \
+  "$("$PGBIN/postgres" --version), stock settings; pgbench -M prepared -c $CLIENTS -j 1, ${DUR}s per run"
+echo
+echo "| round | SQL | keys/s | PostgreSQL CPU µs/key | HOT completions |"
+echo "|---:|---|---:|---:|---|"
+for round in $(seq "$ROUNDS"); do
+  for which in before after bare; do
+    run "$which" "$round"
+  done
+done

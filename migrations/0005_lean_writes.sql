@@ -1,0 +1,69 @@
+-- The keys table as lean per new key as a bare claim + completion pair.
+--
+-- 1. No CHECK constraints. PostgreSQL rebuilds every CHECK from its stored expression text at
+--    the start of each statement that writes the table (a parse per statement, the top of its
+--    profile per new key). What they guarded is guarded by the statements that write those
+--    columns (src/store/postgres.rs): the claim writes 'in_flight' with a generated lease
+--    token and a lease expiry; the completion can only write 'completed' with status, headers
+--    and body, or 'not_replayable' or 'unknown', and fails (state NULL) on anything else. A
+--    test checks every row after the gateway's flows (tests/it/row_invariants.rs).
+--
+-- 2. Garbage collection no longer indexes expires_at, which every completion rewrites: an
+--    UPDATE that changes an indexed column can never be HOT (it adds an entry to every index
+--    and usually a new page). It indexes gc_after instead, written only by a claim (claim time
+--    + ttl). A completion sets expires_at to its own now() + the same ttl, and it runs after
+--    its claim, so gc_after <= expires_at: every expired row has gc_after in the past, and the
+--    collector, which still deletes only rows whose expires_at has passed, finds them all by
+--    gc_after.
+--
+-- 3. fillfactor 90: inserts leave a tenth of each page free, so that a completion's new row
+--    version fits on the page of its claim (a HOT update needs the same page).
+--
+-- Existing rows get gc_after = expires_at (one rewrite of the table, in this migration's
+-- transaction). A table partitioned by scope as in docs/operations.md is handled too: its
+-- expires_at index is found by column, and fillfactor is set on its partitions.
+
+ALTER TABLE idemgate_keys
+    DROP CONSTRAINT idemgate_keys_state_check,
+    DROP CONSTRAINT idemgate_keys_check,
+    DROP CONSTRAINT idemgate_keys_check1,
+    ADD COLUMN gc_after timestamptz;
+
+DO $$
+DECLARE
+    r record;
+BEGIN
+    -- Every index whose only column is expires_at (named idemgate_keys_expires_at here, or
+    -- idemgate_keys_expires_at_idx on a table partitioned as in docs/operations.md).
+    FOR r IN
+        SELECT i.indexrelid::regclass AS idx
+          FROM pg_index i
+          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+         WHERE i.indrelid = 'idemgate_keys'::regclass
+           AND i.indnatts = 1
+           AND a.attname = 'expires_at'
+    LOOP
+        EXECUTE format('DROP INDEX %s', r.idx);
+    END LOOP;
+    -- The table itself, or each partition of a partitioned one (a partitioned table has no
+    -- storage parameters of its own).
+    FOR r IN
+        SELECT c.oid::regclass AS tbl
+          FROM pg_class c
+         WHERE c.oid = 'idemgate_keys'::regclass AND c.relkind = 'r'
+        UNION ALL
+        SELECT t.relid
+          FROM pg_partition_tree('idemgate_keys') t
+          JOIN pg_class c ON c.oid = t.relid
+         WHERE t.isleaf AND c.relkind = 'r'
+    LOOP
+        EXECUTE format('ALTER TABLE %s SET (fillfactor = 90)', r.tbl);
+    END LOOP;
+END
+$$;
+
+UPDATE idemgate_keys SET gc_after = expires_at;
+
+ALTER TABLE idemgate_keys ALTER COLUMN gc_after SET NOT NULL;
+
+CREATE INDEX idemgate_keys_gc_after ON idemgate_keys (gc_after);
