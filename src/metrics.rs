@@ -23,7 +23,7 @@
 //! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
 //! older text format to anyone else; `promtool check metrics` lints the latter in CI.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -148,6 +148,15 @@ pub struct Metrics {
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
     pub buffered_bytes: Gauge,
     pub overloaded: Family<UpstreamBound, Counter>,
+    /// Handles resolved once per route, so a request costs no label allocation or hashing
+    /// of an owned label set (the families above stay the source of truth).
+    per_route: std::sync::RwLock<std::collections::HashMap<String, Arc<RouteHandles>>>,
+}
+
+/// One route's request counters (by outcome, filled on first use) and latency histogram.
+struct RouteHandles {
+    outcomes: Mutex<Vec<(&'static str, Counter)>>,
+    upstream: Histogram,
 }
 
 impl Metrics {
@@ -234,16 +243,45 @@ impl Metrics {
             upstream_in_flight,
             buffered_bytes,
             overloaded,
+            per_route: Default::default(),
         }
     }
 
+    fn route(&self, route: &str) -> Arc<RouteHandles> {
+        if let Some(h) = self.per_route.read().expect("metrics lock").get(route) {
+            return Arc::clone(h);
+        }
+        let mut all = self.per_route.write().expect("metrics lock");
+        let h = all.entry(route.to_string()).or_insert_with(|| {
+            Arc::new(RouteHandles {
+                outcomes: Mutex::new(Vec::new()),
+                upstream: self
+                    .upstream_latency
+                    .get_or_create(&RouteLabel {
+                        route: route.to_string(),
+                    })
+                    .clone(),
+            })
+        });
+        Arc::clone(h)
+    }
+
     pub fn request(&self, route: &str, outcome: &'static str) {
-        self.requests
+        let handles = self.route(route);
+        let mut outcomes = handles.outcomes.lock().expect("metrics lock");
+        if let Some((_, c)) = outcomes.iter().find(|(o, _)| *o == outcome) {
+            c.inc();
+            return;
+        }
+        let c = self
+            .requests
             .get_or_create(&RouteOutcome {
                 route: route.to_string(),
                 outcome,
             })
-            .inc();
+            .clone();
+        c.inc();
+        outcomes.push((outcome, c));
     }
 
     pub fn lease(&self, route: &str, event: &'static str) {
@@ -256,11 +294,7 @@ impl Metrics {
     }
 
     pub fn upstream(&self, route: &str, took: Duration) {
-        self.upstream_latency
-            .get_or_create(&RouteLabel {
-                route: route.to_string(),
-            })
-            .observe(took.as_secs_f64());
+        self.route(route).upstream.observe(took.as_secs_f64());
     }
 
     /// The exposition in `format`.
