@@ -85,6 +85,8 @@ pub struct Cluster {
     pub port: u16,
     /// Connection string of the maintenance database (`postgres`).
     admin_url: String,
+    /// fsync on, as in production (benchmarks); tests run with fsync off.
+    durable: bool,
 }
 
 impl Cluster {
@@ -93,8 +95,19 @@ impl Cluster {
         Cluster::start_with_tls(None)
     }
 
+    /// A private cluster with stock durability (fsync and synchronous_commit on), for
+    /// benchmarks: numbers from a database that does not flush would flatter the database.
+    #[allow(dead_code)] // used by the load harness (benches/load.rs), which includes this file
+    pub fn start_durable() -> Cluster {
+        Cluster::start_inner(None, true)
+    }
+
     /// A private cluster that also accepts TLS with this certificate and key (PEM).
     pub fn start_with_tls(tls: Option<(&str, &str)>) -> Cluster {
+        Cluster::start_inner(tls, false)
+    }
+
+    fn start_inner(tls: Option<(&str, &str)>, durable: bool) -> Cluster {
         let bin = bin_dir();
         let n = COUNTER.fetch_add(1, Ordering::SeqCst);
         let dir = std::env::temp_dir().join(format!("idemgate-pg-{}-{n}", std::process::id()));
@@ -148,6 +161,7 @@ impl Cluster {
             dir: Some(dir.clone()),
             port,
             admin_url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
+            durable,
         };
         cluster.watchdog();
         cluster.pg_start();
@@ -190,10 +204,11 @@ impl Cluster {
     pub fn pg_start(&self) {
         let dir = self.dir.as_ref().expect("own cluster");
         let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off \
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync={} \
              -c max_connections=300 -c shared_buffers=64MB",
             self.port,
-            dir.display()
+            dir.display(),
+            if self.durable { "on" } else { "off" }
         );
         let mut c = pg_command(&self.bin, "pg_ctl");
         c.arg("-D")
@@ -288,6 +303,7 @@ pub fn shared() -> &'static Cluster {
             dir: None,
             port: 0,
             admin_url: url,
+            durable: true,
         },
         _ => Cluster::start(),
     })
