@@ -133,6 +133,8 @@ struct RawGc {
 #[serde(deny_unknown_fields)]
 struct RawPostgres {
     url: String,
+    listen_url: Option<String>,
+    pooler: Option<String>,
     pool_size: Option<usize>,
     acquire_timeout: Option<String>,
     connect_timeout: Option<String>,
@@ -328,6 +330,19 @@ pub enum PgTlsMode {
     VerifyFull,
 }
 
+/// What sits between the gateway and PostgreSQL on `url` (`store.postgres.pooler`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooler {
+    /// A direct session, or a pooler in session mode: named prepared statements, cached per
+    /// connection, and the server's `statement_timeout` set as a startup option.
+    None,
+    /// A pooler in transaction mode (PgBouncer `pool_mode = transaction`): a session is lent
+    /// for one transaction only, so nothing may outlive one. Unnamed statements (parse, bind
+    /// and execute in one round trip), no startup options, and the statement bound kept by
+    /// the client, which cancels a statement that outlives it.
+    Transaction,
+}
+
 /// Collection of expired rows: one instance at a time, in small batches.
 #[derive(Debug, Clone)]
 pub struct GcConfig {
@@ -363,6 +378,10 @@ pub struct SqliteConfig {
 #[derive(Debug, Clone)]
 pub struct PostgresConfig {
     pub url: String,
+    /// The direct session that LISTENs for wake-ups (SPEC 8.4); `url` when not given.
+    pub listen_url: String,
+    /// What `url` points at: PostgreSQL itself or a pooler in transaction mode.
+    pub pooler: Pooler,
     pub pool_size: usize,
     /// Bound on waiting for a pooled connection (including creating one).
     pub acquire_timeout: Duration,
@@ -1014,12 +1033,32 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                     "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
                 ));
             }
+            if let Some(listen) = &pg.listen_url
+                && listen.parse::<tokio_postgres::Config>().is_err()
+            {
+                return Err(invalid(
+                    "store.postgres.listen_url",
+                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+                ));
+            }
+            let pooler = match pg.pooler.as_deref() {
+                None | Some("none") => Pooler::None,
+                Some("transaction") => Pooler::Transaction,
+                Some(other) => {
+                    return Err(invalid(
+                        "store.postgres.pooler",
+                        format!("'{other}' is not one of none, transaction"),
+                    ));
+                }
+            };
             let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
             if pool_size == 0 {
                 return Err(invalid("store.postgres.pool_size", "must be at least 1"));
             }
             StoreConfig::Postgres(PostgresConfig {
+                listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
                 url: pg.url,
+                pooler,
                 pool_size,
                 acquire_timeout: duration_or(
                     "store.postgres.acquire_timeout",
@@ -1614,6 +1653,40 @@ routes:
             "url: \"postgres://u@localhost/db\", allow_async_commit: true",
         );
         assert!(allowed(&yaml));
+    }
+
+    #[test]
+    fn a_pooler_in_transaction_mode_and_a_listen_url_are_read_and_checked() {
+        let pg = |yaml: &str| match Config::from_yaml(yaml).unwrap().store {
+            StoreConfig::Postgres(pg) => pg,
+            StoreConfig::Sqlite(_) => panic!("a postgres store"),
+        };
+        let plain = pg(MINIMAL);
+        assert_eq!(plain.pooler, Pooler::None, "a direct session by default");
+        assert_eq!(plain.listen_url, plain.url, "listen_url defaults to url");
+        let pooled = pg(&MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            "url: \"postgres://u@bouncer:6432/db\", pooler: transaction, \
+             listen_url: \"postgres://u@db:5432/db\"",
+        ));
+        assert_eq!(pooled.pooler, Pooler::Transaction);
+        assert_eq!(pooled.url, "postgres://u@bouncer:6432/db");
+        assert_eq!(pooled.listen_url, "postgres://u@db:5432/db");
+        assert_eq!(
+            err(&MINIMAL.replace(
+                "url: \"postgres://u@localhost/db\"",
+                "url: \"postgres://u@localhost/db\", pooler: session"
+            )),
+            "store.postgres.pooler: 'session' is not one of none, transaction"
+        );
+        assert!(
+            err(&MINIMAL.replace(
+                "url: \"postgres://u@localhost/db\"",
+                "url: \"postgres://u@localhost/db\", listen_url: \"postgres://u@h:x/db\""
+            ))
+            .starts_with("store.postgres.listen_url: not a valid PostgreSQL connection string"),
+            "the listen URL is checked like the URL, and never echoed"
+        );
     }
 
     #[test]

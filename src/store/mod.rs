@@ -13,6 +13,7 @@
 //! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
 //! (`tests/it/conformance.rs`) run the same test bodies against both.
 
+pub mod pg_cancel;
 pub mod pg_listener;
 pub mod postgres;
 #[cfg(feature = "sqlite")]

@@ -3,8 +3,10 @@
 //!
 //! It proves itself before it is trusted: after `LISTEN` it sends a probe notification
 //! through the pool (the path every real announcement takes) and marks wake-ups healthy only
-//! when the probe comes back; it re-probes every [`REPROBE`]. Behind a pooler in transaction
-//! mode, notifications never arrive, the probe fails, and waiters keep polling. When the
+//! when the probe comes back; it re-probes every [`REPROBE`]. Its connection is
+//! `store.postgres.listen_url`, which must be a direct session: listening through a pooler in
+//! transaction mode hears nothing (the probe fails, and waiters keep polling). The probe goes
+//! through the pool, whatever `url` points at, so it proves the path real announcements take. When the
 //! connection drops, wake-ups are marked unhealthy at once (waiters fall back to bounded
 //! polling) and it reconnects with backoff; on recovery every waiter is woken to look again,
 //! since announcements may have been missed meanwhile.
@@ -15,6 +17,7 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tokio::sync::mpsc;
+use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
@@ -132,9 +135,13 @@ async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> bool {
     );
     let send = async {
         let conn = pool.get().await.ok()?;
-        conn.execute(
+        // Unnamed: the pool may sit behind a pooler in transaction mode.
+        conn.execute_typed(
             "SELECT pg_notify($1, $2)",
-            &[&CHANNEL, &format!("{PROBE_PREFIX}{nonce}")],
+            &[
+                (&CHANNEL, Type::TEXT),
+                (&format!("{PROBE_PREFIX}{nonce}"), Type::TEXT),
+            ],
         )
         .await
         .ok()

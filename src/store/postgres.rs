@@ -28,16 +28,32 @@
 //!   and fails on anything else (`tests/it/row_invariants.rs`).
 //! - The completion changes no indexed column (garbage collection indexes `gc_after`, set only
 //!   by a claim), so it can be a HOT update: no index entry, the page of its claim.
-//! - Every call is bounded: pool acquire by `acquire_timeout`, statements by the server's
-//!   `statement_timeout` and by the same bound on the client side; a connection whose
-//!   statement timed out on the client side is detached from the pool, never reused.
-//! - Statements are prepared once per connection (`prepare_cached`).
+//! - Every call is bounded: pool acquire by `acquire_timeout`, statements by
+//!   `statement_timeout`. On a direct session (`pooler: none`) the server enforces it (a
+//!   startup option) and the client enforces the same bound plus a slack; a connection whose
+//!   statement timed out on the client side is detached from the pool, never reused. Behind a
+//!   pooler in transaction mode (`pooler: transaction`), which refuses startup options, the
+//!   client enforces it: past `statement_timeout` it sends a cancel request (the pooler
+//!   forwards it to the server running the statement), waits for the statement to end within
+//!   the same slack, and detaches the connection either way. Explicit transactions
+//!   (migrations, garbage collection) start with `SET LOCAL statement_timeout` instead.
+//! - Each hot statement is written once, with the types of its parameters (`*_TYPES`, what
+//!   the server would infer), and sent one of two ways: prepared once per connection
+//!   (`prepare_typed_cached`: the server keeps the plan) on a direct session, or unnamed
+//!   (parse, bind and execute in one round trip: `query_typed`) behind a pooler in
+//!   transaction mode, where a named statement would outlive the transaction that lent the
+//!   server session. An unnamed statement costs the server a parse and a plan per call
+//!   (docs/scaling.md has the measured price). Rare statements (migrations, readiness,
+//!   garbage collection, the listener's probe) are always unnamed. Nothing session-scoped is
+//!   used on `url`: no `SET`, no session advisory lock, no `LISTEN` (the wake-up listener has
+//!   its own direct session, `listen_url`).
 //! - A `serialize` slot is taken by one statement calling `idemgate_take_slot`, which
 //!   decides under a per-scope transaction-level advisory lock taken before it reads a row:
 //!   takers of one scope are ordered across instances, and each sees every slot committed
 //!   before it (see migrations/0004_slot_limits.sql). The lock ends with that statement's
 //!   implicit transaction, so it is never held across the upstream call, and a pooler in
-//!   transaction mode keeps it on one server connection.
+//!   transaction mode keeps it on one server connection. Migrations and garbage collection
+//!   take transaction-level advisory locks too, inside explicit transactions.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -46,13 +62,14 @@ use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, R
 use tokio_postgres::NoTls;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
     Store, StoreError,
 };
-use crate::config::{PgTlsMode, PostgresConfig};
+use crate::config::{PgTlsMode, Pooler, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
@@ -86,7 +103,7 @@ const MIGRATION_LOCK: i64 = 0x1de0_6a7e_0001;
 /// (then [`CLAIM_SQL`] decides). `gc_after` is the claim time + ttl: a completion, later,
 /// sets `expires_at` to its own time + ttl, so `gc_after <= expires_at` always.
 /// `$5` and `$6` are bound from integers, never NULL, so the row always has its lease.
-const CLAIM_NEW_SQL: &str = "
+pub const CLAIM_NEW_SQL: &str = "
 INSERT INTO idemgate_keys
     (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
      created_at, expires_at, gc_after)
@@ -96,6 +113,14 @@ VALUES ($1, $2, $3, $4, 'in_flight', gen_random_uuid(),
         now() + $6::bigint * interval '1 millisecond')
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING lease_token::text";
+pub const CLAIM_NEW_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::BYTEA,
+    Type::INT8,
+    Type::INT8,
+];
 
 /// The claim when the key exists: takes it over when claimable, or reads what is there.
 const CLAIM_SQL: &str = "
@@ -143,6 +168,15 @@ SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
   FROM idemgate_keys k
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
+const CLAIM_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::BYTEA,
+    Type::INT8,
+    Type::INT8,
+    Type::BOOL,
+];
 
 /// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
 pub const CHANNEL: &str = "idemgate_keys";
@@ -171,12 +205,24 @@ UPDATE idemgate_keys
        expires_at = now() + $8::bigint * interval '1 millisecond'
  WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
 RETURNING CASE WHEN waiters THEN pg_notify('idemgate_keys', $9) END AS announced";
+pub const FINISH_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::INT4,
+    Type::BYTEA,
+    Type::BYTEA,
+    Type::INT8,
+    Type::TEXT,
+];
 
 /// The release of a claimed attempt (a retry forwards again), announced like a completion.
 const RELEASE_SQL: &str = "
 DELETE FROM idemgate_keys
  WHERE scope = $1 AND key = $2 AND lease_token = $3::text::uuid AND state = 'in_flight'
 RETURNING CASE WHEN waiters THEN pg_notify('idemgate_keys', $4) END AS announced";
+const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT, Type::TEXT];
 
 /// A waiter asks to be told when the key is finished. The row lock orders it against the
 /// finishing write: either the finisher sees `waiters` and announces, or this statement sees
@@ -185,6 +231,7 @@ const WATCH_SQL: &str = "
 UPDATE idemgate_keys SET waiters = true
  WHERE scope = $1 AND key = $2 AND state = 'in_flight'
 RETURNING 1";
+const WATCH_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 
 /// Takes a slot of a scope for a route with limit `$2`, in one round trip: the function
 /// (migrations/0004_slot_limits.sql) decides under a per-scope transaction lock, so takers on
@@ -192,6 +239,7 @@ RETURNING 1";
 /// this route (counting itself, more than `$2` live slots, or more than some live holder's
 /// limit).
 const SLOT_ACQUIRE_SQL: &str = "SELECT slot, token FROM idemgate_take_slot($1, $2, $3)";
+const SLOT_ACQUIRE_TYPES: &[Type] = &[Type::TEXT, Type::INT4, Type::INT8];
 
 /// Frees a slot we hold (fenced by its token) and announces it to the scope's waiters.
 const SLOT_RELEASE_SQL: &str = "
@@ -201,6 +249,7 @@ WITH done AS (
     RETURNING 1
 )
 SELECT pg_notify('idemgate_keys', $4) FROM done";
+const SLOT_RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::INT4, Type::TEXT, Type::TEXT];
 
 /// The session's `synchronous_commit`, as `SHOW synchronous_commit` reports it, on a pooled
 /// connection: what the gateway's role and database are set to (`ALTER ROLE/DATABASE ...
@@ -216,6 +265,7 @@ SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
        created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
        fingerprint
   FROM idemgate_keys WHERE scope = $1 AND key = $2";
+const INSPECT_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 
 /// The advisory lock that lets one instance at a time collect expired rows.
 const GC_LOCK: i64 = 0x1de0_6a7e_0002;
@@ -248,6 +298,7 @@ done AS (
 announced AS (SELECT pg_notify('idemgate_keys', $4) FROM done)
 SELECT t.route, t.live, (SELECT count(*) FROM done) > 0, (SELECT count(*) FROM announced)
   FROM target t";
+const DELETE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BOOL, Type::TEXT];
 
 /// What one claim's statements found: a new key claimed by the plain insert, or the full
 /// statement's row (none: look again, see the module docs).
@@ -258,8 +309,12 @@ enum Found {
 
 pub struct PgStore {
     pool: Pool,
-    /// The connection config, for the wake-up listener's own connection.
+    /// The pool's connection config (`url`), for cancel requests.
     pg: tokio_postgres::Config,
+    /// The wake-up listener's own connection (`listen_url`, a direct session).
+    listen: tokio_postgres::Config,
+    /// What `url` points at; decides how statements are sent and bounded.
+    pooler: Pooler,
     acquire_timeout: Duration,
     statement_timeout: Duration,
     wakeups: Arc<Wakeups>,
@@ -281,10 +336,78 @@ impl Drop for PgStore {
     }
 }
 
-/// Client-side slack on top of the server's statement timeout.
+/// Client-side slack on top of the statement timeout: for the server's own timeout to
+/// arrive first (direct session), or for a cancelled statement to end (behind a pooler).
 const CLIENT_SLACK: Duration = Duration::from_millis(200);
 
-/// Classifies by `SqlState` and error source, never by message text.
+/// How a bounded call on a pooled connection ended.
+enum Ended<T> {
+    /// Within the bound: the connection goes back to the pool.
+    Done(Result<T, tokio_postgres::Error>),
+    /// Past the bound: the connection is detached, never reused; closed at once, or, when a
+    /// cancel request was sent for it, once the request was acted on (see `pg_cancel`).
+    Detach(
+        Result<T, StoreError>,
+        Option<tokio::task::JoinHandle<Option<super::pg_cancel::Forwarded>>>,
+    ),
+}
+
+/// A pooled connection and how statements are sent on it (see the module docs).
+pub struct Conn<'a> {
+    obj: &'a Object,
+    pooler: Pooler,
+}
+
+impl Conn<'_> {
+    /// A hot statement: prepared once per connection on a direct session, unnamed (one round
+    /// trip, parsed and planned each time) behind a pooler in transaction mode.
+    async fn query(
+        &self,
+        sql: &str,
+        types: &[Type],
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        match self.pooler {
+            Pooler::None => {
+                let stmt = self.obj.prepare_typed_cached(sql, types).await?;
+                self.obj.query(&stmt, params).await
+            }
+            Pooler::Transaction => self.obj.query_typed(sql, &typed(params, types)).await,
+        }
+    }
+
+    /// [`query`](Self::query) for at most one row.
+    async fn query_opt(
+        &self,
+        sql: &str,
+        types: &[Type],
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<tokio_postgres::Row>, tokio_postgres::Error> {
+        match self.pooler {
+            Pooler::None => {
+                let stmt = self.obj.prepare_typed_cached(sql, types).await?;
+                self.obj.query_opt(&stmt, params).await
+            }
+            Pooler::Transaction => self.obj.query_typed_opt(sql, &typed(params, types)).await,
+        }
+    }
+
+    /// A rare statement without parameters, unnamed whatever the pooler.
+    async fn unnamed_one(&self, sql: &str) -> Result<tokio_postgres::Row, tokio_postgres::Error> {
+        self.obj.query_typed_one(sql, &[]).await
+    }
+}
+
+/// Parameters paired with their types, as `query_typed` takes them.
+fn typed<'a>(
+    params: &[&'a (dyn ToSql + Sync)],
+    types: &[Type],
+) -> Vec<(&'a (dyn ToSql + Sync), Type)> {
+    debug_assert_eq!(params.len(), types.len(), "one type per parameter");
+    params.iter().copied().zip(types.iter().cloned()).collect()
+}
+
+/// Classifies by `SqlState`, severity and error source, never by message text.
 fn pg_error(e: tokio_postgres::Error) -> StoreError {
     use std::error::Error as _;
     if e.code() == Some(&SqlState::QUERY_CANCELED) {
@@ -293,7 +416,20 @@ fn pg_error(e: tokio_postgres::Error) -> StoreError {
     let io = e
         .source()
         .is_some_and(|s| s.downcast_ref::<std::io::Error>().is_some());
-    if e.is_closed() || io {
+    // A FATAL error ends the session: the server shutting down or refusing connections, or
+    // a pooler that cannot reach it (PgBouncer: "server login has been failing"). Like a
+    // connection exception (class 08), it means the store is unreachable, not a bad row.
+    let session_ended = e.as_db_error().is_some_and(|d| {
+        use tokio_postgres::error::Severity;
+        // The nonlocalized severity when the server sends one (PgBouncer sends only the
+        // other, which it never localizes).
+        let fatal = match d.parsed_severity() {
+            Some(s) => matches!(s, Severity::Fatal | Severity::Panic),
+            None => matches!(d.severity(), "FATAL" | "PANIC"),
+        };
+        fatal || d.code().code().starts_with("08")
+    });
+    if e.is_closed() || io || session_ended {
         return StoreError::Connect(crate::forward::error_chain(&e));
     }
     StoreError::Db(crate::forward::error_chain(&e))
@@ -308,23 +444,35 @@ impl PgStore {
             .map_err(|_| StoreError::Connect("invalid connection string".into()))?;
         pg.connect_timeout(cfg.connect_timeout);
         pg.application_name("idemgate");
-        pg.options(format!(
-            "-c statement_timeout={}",
-            cfg.statement_timeout.as_millis()
-        ));
+        if cfg.pooler == Pooler::None {
+            // A pooler refuses startup options it does not know (PgBouncer: `options`),
+            // and would not keep them per client anyway; behind one the client keeps the bound.
+            pg.options(format!(
+                "-c statement_timeout={}",
+                cfg.statement_timeout.as_millis()
+            ));
+        }
+        let mut listen: tokio_postgres::Config = cfg
+            .listen_url
+            .parse()
+            .map_err(|_| StoreError::Connect("invalid listen connection string".into()))?;
+        listen.connect_timeout(cfg.connect_timeout);
         let tls = match cfg.tls {
             PgTlsMode::Disable => {
                 pg.ssl_mode(SslMode::Disable);
+                listen.ssl_mode(SslMode::Disable);
                 None
             }
             PgTlsMode::Require => {
                 pg.ssl_mode(SslMode::Require);
+                listen.ssl_mode(SslMode::Require);
                 Some(MakeRustlsConnect::new(
                     crate::tls::unverified_client_config().map_err(StoreError::Connect)?,
                 ))
             }
             PgTlsMode::VerifyFull => {
                 pg.ssl_mode(SslMode::Require);
+                listen.ssl_mode(SslMode::Require);
                 Some(MakeRustlsConnect::new(
                     crate::tls::client_config(cfg.tls_ca.as_deref())
                         .map_err(StoreError::Connect)?,
@@ -346,9 +494,18 @@ impl PgStore {
             .recycle_timeout(Some(cfg.acquire_timeout))
             .build()
             .map_err(|e| StoreError::Db(e.to_string()))?;
+        if cfg.pooler == Pooler::Transaction && cfg.listen_url == cfg.url {
+            tracing::warn!(
+                "store.postgres.pooler is 'transaction' but listen_url is not set: the wake-up \
+                 listener goes through the pooler, which does not deliver notifications, so \
+                 waiters will poll; point listen_url at PostgreSQL itself"
+            );
+        }
         Ok(PgStore {
             pool,
             pg,
+            listen,
+            pooler: cfg.pooler,
             acquire_timeout: cfg.acquire_timeout,
             statement_timeout: cfg.statement_timeout,
             wakeups: Arc::default(),
@@ -383,7 +540,7 @@ impl PgStore {
         let mut slot = self.listener.lock().expect("listener lock");
         if slot.is_none() {
             *slot = Some(tokio::spawn(super::pg_listener::run(
-                self.pg.clone(),
+                self.listen.clone(),
                 self.pool.clone(),
                 Arc::clone(&self.wakeups),
                 self.tls.clone(),
@@ -417,7 +574,7 @@ impl PgStore {
     async fn with_conn<T>(
         &self,
         op: &'static str,
-        f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
+        f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
         let started = std::time::Instant::now();
         let result = self.with_conn_inner(f).await;
@@ -427,29 +584,117 @@ impl PgStore {
 
     async fn with_conn_inner<T>(
         &self,
-        f: impl AsyncFnOnce(&Object) -> Result<T, tokio_postgres::Error>,
+        f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
         let obj = self.conn().await?;
-        let bound = self.statement_timeout + CLIENT_SLACK;
-        let res = tokio::time::timeout(bound, f(&obj)).await;
-        match res {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(pg_error(e)),
-            Err(_) => {
+        let ended = {
+            let conn = Conn {
+                obj: &obj,
+                pooler: self.pooler,
+            };
+            let run = f(&conn);
+            tokio::pin!(run);
+            match self.pooler {
+                Pooler::None => {
+                    match tokio::time::timeout(self.statement_timeout + CLIENT_SLACK, &mut run)
+                        .await
+                    {
+                        Ok(done) => Ended::Done(done),
+                        // Its statement may still be running: never lend this connection again.
+                        Err(_) => Ended::Detach(Err(StoreError::Timeout), None),
+                    }
+                }
+                Pooler::Transaction => {
+                    match tokio::time::timeout(self.statement_timeout, &mut run).await {
+                        Ok(done) => Ended::Done(done),
+                        Err(_) => {
+                            // Nobody else bounds it: ask the server (through the pooler) to
+                            // stop the statement, and give it the slack to end. Whatever
+                            // comes back, the cancel request may still be on its way: never
+                            // lend this connection again.
+                            let cancel = tokio::spawn(self.cancel(&obj));
+                            let after = tokio::time::timeout(CLIENT_SLACK, &mut run).await;
+                            Ended::Detach(
+                                match after {
+                                    Ok(done) => done.map_err(pg_error),
+                                    Err(_) => Err(StoreError::Timeout),
+                                },
+                                Some(cancel),
+                            )
+                        }
+                    }
+                }
+            }
+        };
+        match ended {
+            Ended::Done(done) => done.map_err(pg_error),
+            Ended::Detach(result, None) => {
                 drop(Object::take(obj));
-                Err(StoreError::Timeout)
+                result
+            }
+            Ended::Detach(result, Some(cancel)) => {
+                // Hanging up while the pooler still forwards the cancel request would drop
+                // it (and PgBouncer 1.18 does not survive that): close the session once the
+                // request was acted on. Bounded by the connect timeout and `pg_cancel::LINGER`.
+                let client = Object::take(obj);
+                tokio::spawn(async move {
+                    if let Ok(Some(forwarded)) = cancel.await {
+                        let _ = forwarded.await;
+                    }
+                    drop(client);
+                });
+                result
             }
         }
+    }
+
+    /// Sends a cancel request for whatever statement `obj` is running (through the pooler,
+    /// which forwards it to the server session that runs it; see [`super::pg_cancel`]). Yields
+    /// the signal that it was acted on, or nothing if it could not be sent.
+    fn cancel(
+        &self,
+        obj: &Object,
+    ) -> impl std::future::Future<Output = Option<super::pg_cancel::Forwarded>> + use<> {
+        let token = obj.cancel_token();
+        let (pg, tls) = (self.pg.clone(), self.tls.clone());
+        async move {
+            let timeout = pg.get_connect_timeout().copied().unwrap_or(CLIENT_SLACK);
+            match super::pg_cancel::cancel(&token, &pg, tls.as_ref(), timeout).await {
+                Ok(forwarded) => Some(forwarded),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cancel request failed");
+                    None
+                }
+            }
+        }
+    }
+
+    /// Starts an explicit transaction with the statement bound set for it alone (`SET LOCAL`
+    /// lasts until its commit, so it is safe behind a pooler in transaction mode too).
+    async fn begin<'c>(
+        &self,
+        obj: &'c mut Object,
+    ) -> Result<deadpool_postgres::Transaction<'c>, tokio_postgres::Error> {
+        let tx = obj.transaction().await?;
+        tx.batch_execute(&format!(
+            "SET LOCAL statement_timeout = {}",
+            self.statement_timeout.as_millis()
+        ))
+        .await?;
+        Ok(tx)
     }
 
     /// Applies pending migrations in one transaction under an advisory lock, so many
     /// instances may start at once. Returns how many were applied.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
         let mut obj = self.conn().await?;
-        let tx = obj.transaction().await.map_err(pg_error)?;
-        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])
-            .await
-            .map_err(pg_error)?;
+        let tx = self.begin(&mut obj).await.map_err(pg_error)?;
+        tx.execute_typed(
+            "SELECT pg_advisory_xact_lock($1)",
+            &[(&MIGRATION_LOCK, Type::INT8)],
+        )
+        .await
+        .map_err(pg_error)?;
         tx.batch_execute(
             "CREATE TABLE IF NOT EXISTS idemgate_migrations (
                 version integer PRIMARY KEY,
@@ -459,7 +704,7 @@ impl PgStore {
         .await
         .map_err(pg_error)?;
         let done: Vec<i32> = tx
-            .query("SELECT version FROM idemgate_migrations", &[])
+            .query_typed("SELECT version FROM idemgate_migrations", &[])
             .await
             .map_err(pg_error)?
             .iter()
@@ -471,9 +716,9 @@ impl PgStore {
                 continue;
             }
             tx.batch_execute(sql).await.map_err(pg_error)?;
-            tx.execute(
+            tx.execute_typed(
                 "INSERT INTO idemgate_migrations (version, name) VALUES ($1, $2)",
-                &[version, name],
+                &[(version, Type::INT4), (name, Type::TEXT)],
             )
             .await
             .map_err(pg_error)?;
@@ -497,10 +742,10 @@ impl PgStore {
         let found = self
             .with_conn("claim", async |c| {
                 if try_new {
-                    let stmt = c.prepare_cached(CLAIM_NEW_SQL).await?;
                     let new = c
                         .query_opt(
-                            &stmt,
+                            CLAIM_NEW_SQL,
+                            CLAIM_NEW_TYPES,
                             &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms],
                         )
                         .await?;
@@ -508,9 +753,9 @@ impl PgStore {
                         return Ok(Found::New(LeaseToken(row.get(0))));
                     }
                 }
-                let stmt = c.prepare_cached(CLAIM_SQL).await?;
                 c.query_opt(
-                    &stmt,
+                    CLAIM_SQL,
+                    CLAIM_TYPES,
                     &[
                         &req.scope,
                         &req.key,
@@ -622,8 +867,9 @@ impl Store for PgStore {
                 .with_conn("finish", async |c| {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
-                        let stmt = c.prepare_cached(RELEASE_SQL).await?;
-                        return c.query_opt(&stmt, &[&scope, &key, &token, &id]).await;
+                        return c
+                            .query_opt(RELEASE_SQL, RELEASE_TYPES, &[&scope, &key, &token, &id])
+                            .await;
                     }
                     let FinishRow {
                         state,
@@ -631,9 +877,9 @@ impl Store for PgStore {
                         headers,
                         body,
                     } = FinishRow::of(&outcome);
-                    let stmt = c.prepare_cached(FINISH_SQL).await?;
                     c.query_opt(
-                        &stmt,
+                        FINISH_SQL,
+                        FINISH_TYPES,
                         &[
                             &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
                         ],
@@ -653,8 +899,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let row = self
                 .with_conn("watch", async |c| {
-                    let stmt = c.prepare_cached(WATCH_SQL).await?;
-                    c.query_opt(&stmt, &[&scope, &key]).await
+                    c.query_opt(WATCH_SQL, WATCH_TYPES, &[&scope, &key]).await
                 })
                 .await?;
             Ok(row.is_some())
@@ -669,8 +914,8 @@ impl Store for PgStore {
         Box::pin(async move {
             let row = self
                 .with_conn("inspect", async |c| {
-                    let stmt = c.prepare_cached(INSPECT_SQL).await?;
-                    c.query_opt(&stmt, &[&scope, &key]).await
+                    c.query_opt(INSPECT_SQL, INSPECT_TYPES, &[&scope, &key])
+                        .await
                 })
                 .await?;
             Ok(row.map(|r| KeyInfo {
@@ -701,9 +946,12 @@ impl Store for PgStore {
         Box::pin(async move {
             let rows = self
                 .with_conn("delete", async |c| {
-                    let stmt = c.prepare_cached(DELETE_SQL).await?;
-                    c.query(&stmt, &[&scope, &key, &force, &key_id(scope, key)])
-                        .await
+                    c.query(
+                        DELETE_SQL,
+                        DELETE_TYPES,
+                        &[&scope, &key, &force, &key_id(scope, key)],
+                    )
+                    .await
                 })
                 .await?;
             Ok(match rows.first() {
@@ -726,16 +974,18 @@ impl Store for PgStore {
                 let mut obj = self.conn().await?;
                 let bound = self.statement_timeout * 2 + CLIENT_SLACK;
                 let step = async {
-                    let tx = obj.transaction().await?;
+                    let tx = self.begin(&mut obj).await?;
                     let locked: bool = tx
-                        .query_one("SELECT pg_try_advisory_xact_lock($1)", &[&GC_LOCK])
+                        .query_typed_one(
+                            "SELECT pg_try_advisory_xact_lock($1)",
+                            &[(&GC_LOCK, Type::INT8)],
+                        )
                         .await?
                         .get(0);
                     if !locked {
                         return Ok(None);
                     }
-                    let stmt = tx.prepare_cached(GC_SQL).await?;
-                    let n = tx.execute(&stmt, &[&batch]).await?;
+                    let n = tx.execute_typed(GC_SQL, &[(&batch, Type::INT8)]).await?;
                     tx.commit().await?;
                     Ok::<_, tokio_postgres::Error>(Some(n))
                 };
@@ -773,8 +1023,12 @@ impl Store for PgStore {
             let lease_ms = lease.as_millis() as i64;
             let row = self
                 .with_conn("acquire_slot", async |c| {
-                    let stmt = c.prepare_cached(SLOT_ACQUIRE_SQL).await?;
-                    c.query_opt(&stmt, &[&scope, &max, &lease_ms]).await
+                    c.query_opt(
+                        SLOT_ACQUIRE_SQL,
+                        SLOT_ACQUIRE_TYPES,
+                        &[&scope, &max, &lease_ms],
+                    )
+                    .await
                 })
                 .await?;
             Ok(row.map(|r| Slot {
@@ -790,9 +1044,12 @@ impl Store for PgStore {
             let id = slot_id(&slot.scope);
             let rows = self
                 .with_conn("release_slot", async |c| {
-                    let stmt = c.prepare_cached(SLOT_RELEASE_SQL).await?;
-                    c.query(&stmt, &[&slot.scope, &slot.slot, &slot.token, &id])
-                        .await
+                    c.query(
+                        SLOT_RELEASE_SQL,
+                        SLOT_RELEASE_TYPES,
+                        &[&slot.scope, &slot.slot, &slot.token, &id],
+                    )
+                    .await
                 })
                 .await?;
             Ok(rows.len() == 1)
@@ -833,7 +1090,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let setting: String = self
                 .with_conn("durability", async |c| {
-                    Ok(c.query_one(SYNC_COMMIT_SQL, &[]).await?.get(0))
+                    Ok(c.unnamed_one(SYNC_COMMIT_SQL).await?.get(0))
                 })
                 .await?;
             self.check_commit_setting(&setting)
@@ -845,7 +1102,7 @@ impl Store for PgStore {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
             let (v, setting): (Option<i32>, String) = self
                 .with_conn("ready", async |c| {
-                    let row = c.query_one(READY_SQL, &[]).await?;
+                    let row = c.unnamed_one(READY_SQL).await?;
                     Ok((row.get(0), row.get(1)))
                 })
                 .await?;

@@ -1,6 +1,8 @@
-//! The conformance suite: one test body, two stores. Every test here runs against
-//! PostgreSQL and against the embedded SQLite store (`postgres::*` and `sqlite::*`), so
-//! neither can drift from SPEC sections 2-3.
+//! The conformance suite: one test body, every store. Every test here runs against
+//! PostgreSQL (`postgres::*`), the embedded SQLite store (`sqlite::*`), PostgreSQL through
+//! PgBouncer in transaction mode with the wake-up listener on a direct session
+//! (`pgbouncer::*`, SPEC 8.4), and PostgreSQL with the keys table hash-partitioned by scope
+//! (`partitioned::*`, SPEC 5), so none can drift from SPEC sections 2-3.
 
 use std::time::Duration;
 
@@ -21,49 +23,31 @@ async fn serialized(
     TestGateway::on_with(b, up, &idem, |y| y.replace("timeout: 5s", "timeout: 1s")).await
 }
 
-macro_rules! conformance {
-    ($($name:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name(crate::support::Backend::Postgres).await
-                }
-            )*
-        }
-        mod sqlite {
-            $(
-                #[tokio::test]
-                async fn $name() {
-                    super::$name(crate::support::Backend::Sqlite).await
-                }
-            )*
-        }
-    };
-}
-
-conformance!(
-    a_finish_with_a_lost_lease_writes_nothing,
-    expired_rows_are_collected_and_live_ones_kept,
-    a_large_response_is_stored_whole,
-    a_retry_after_completion_gets_the_stored_answer_byte_for_byte,
-    thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers,
-    the_same_key_with_another_body_is_422_and_not_forwarded,
-    a_mismatch_against_an_in_flight_request_is_422_too,
-    the_same_key_in_two_scopes_executes_twice_and_never_leaks,
-    a_retry_status_releases_the_key_so_a_retry_is_forwarded,
-    a_4xx_answer_is_stored_and_replayed_like_any_other,
-    a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored,
-    an_expired_lease_is_taken_over_and_forwarded_again,
-    a_duplicate_in_flight_is_409_with_retry_after_when_rejecting,
-    a_wait_that_runs_out_is_409,
-    an_upstream_timeout_is_504_and_reforward_releases_the_key,
-    a_held_key_whose_outcome_is_unknown_is_502_until_deleted,
-    a_response_too_large_to_store_reaches_the_first_client_whole_and_retries_get_502,
-    at_most_max_in_flight_forwards_per_scope_run_at_once,
-    a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key,
-    two_routes_on_one_scope_each_keep_their_own_limit,
-    a_slot_is_refused_past_the_takers_limit_or_any_holders_limit,
+backend_tests!(
+    postgres: Postgres, sqlite: Sqlite, pgbouncer: Pgbouncer, partitioned: Partitioned;
+    [
+        a_finish_with_a_lost_lease_writes_nothing,
+        expired_rows_are_collected_and_live_ones_kept,
+        a_large_response_is_stored_whole,
+        a_retry_after_completion_gets_the_stored_answer_byte_for_byte,
+        thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers,
+        the_same_key_with_another_body_is_422_and_not_forwarded,
+        a_mismatch_against_an_in_flight_request_is_422_too,
+        the_same_key_in_two_scopes_executes_twice_and_never_leaks,
+        a_retry_status_releases_the_key_so_a_retry_is_forwarded,
+        a_4xx_answer_is_stored_and_replayed_like_any_other,
+        a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored,
+        an_expired_lease_is_taken_over_and_forwarded_again,
+        a_duplicate_in_flight_is_409_with_retry_after_when_rejecting,
+        a_wait_that_runs_out_is_409,
+        an_upstream_timeout_is_504_and_reforward_releases_the_key,
+        a_held_key_whose_outcome_is_unknown_is_502_until_deleted,
+        a_response_too_large_to_store_reaches_the_first_client_whole_and_retries_get_502,
+        at_most_max_in_flight_forwards_per_scope_run_at_once,
+        a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key,
+        two_routes_on_one_scope_each_keep_their_own_limit,
+        a_slot_is_refused_past_the_takers_limit_or_any_holders_limit,
+    ]
 );
 
 async fn a_retry_after_completion_gets_the_stored_answer_byte_for_byte(b: Backend) {

@@ -6,6 +6,18 @@ use std::time::{Duration, Instant};
 
 use crate::support::*;
 
+// The guarantees whose bound is the statement timeout run on PostgreSQL directly and through
+// PgBouncer in transaction mode, where no server-side timeout is set at connection start and
+// the client cancels a statement that outlives its bound (SPEC 8.4).
+backend_tests!(
+    postgres: Postgres, pgbouncer: Pgbouncer;
+    [
+        guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx,
+        guarantee_3_the_client_gets_its_answer_only_once_it_is_committed,
+        a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound,
+    ]
+);
+
 /// Holds a row lock on `(scope, key)` in an open transaction until the returned client's
 /// transaction ends (`COMMIT`/`ROLLBACK` on it, or drop).
 async fn lock_row(gw: &TestGateway, scope: &str, key: &str) -> tokio_postgres::Client {
@@ -22,14 +34,13 @@ async fn lock_row(gw: &TestGateway, scope: &str, key: &str) -> tokio_postgres::C
     locker
 }
 
-#[tokio::test]
-async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx() {
+async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(300),
         ..Default::default()
     })
     .await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
     let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     // While the upstream works, the test locks the row: every completion attempt waits
     // for the lock until its statement timeout (1s in the test config).
@@ -52,14 +63,13 @@ async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx() {
     assert_eq!(retry.status, 409, "in flight until its lease ends");
 }
 
-#[tokio::test]
-async fn guarantee_3_the_client_gets_its_answer_only_once_it_is_committed() {
+async fn guarantee_3_the_client_gets_its_answer_only_once_it_is_committed(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(300),
         ..Default::default()
     })
     .await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
     let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let locker = lock_row(&gw, &scoped("a"), "k").await;
     // The completion now waits behind our lock (its statement timeout is 1s).
@@ -162,10 +172,9 @@ async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
     assert_eq!(up.executions(), 2, "forgotten after ttl: a new request");
 }
 
-#[tokio::test]
-async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound() {
+async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: Backend) {
     let up = Upstream::start().await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
     let _locker = lock_row(&gw, &scoped("a"), "k").await;
@@ -182,4 +191,24 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound() {
         "answered after {elapsed:?}"
     );
     assert_eq!(up.executions(), 1, "nothing was forwarded");
+    // And the server stopped the statement (its own timeout, or the client's cancel request
+    // through the pooler): nothing waits for the lock any more while it is still held.
+    let watcher = gw.sql().await;
+    wait_until(
+        "the blocked claim is stopped on the server",
+        Duration::from_secs(3),
+        || async {
+            watcher
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity
+                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                    &[],
+                )
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+                == 0
+        },
+    )
+    .await;
 }

@@ -1,12 +1,37 @@
 //! Several gateway instances on one database behave as one gateway: wake-ups cross
 //! instances through LISTEN/NOTIFY, local waiters share lookups, and polling takes over when
-//! notifications stop.
+//! notifications stop. Every test runs twice: on PostgreSQL directly (`postgres::*`), and
+//! through PgBouncer in transaction mode with the listener on a direct session
+//! (`pgbouncer::*`, SPEC 8.4), where every announcement is sent through the pooler and heard
+//! on `listen_url`.
+//!
+//! The fleet tests run three real gateway processes on one database: a 300-way duplicate
+//! storm, the lab's 30 events of one account split across them (`serialize`), and a rolling
+//! restart while a sender keeps delivering.
 
-use std::sync::atomic::Ordering;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+use http::Method;
 
 use crate::support::process::GatewayProcess;
 use crate::support::*;
+
+backend_tests!(
+    postgres: Postgres, pgbouncer: Pgbouncer;
+    [
+        a_completion_on_one_instance_wakes_waiters_on_the_other,
+        a_dead_listener_reconnects_by_itself,
+        without_wake_ups_waiters_poll_and_still_get_the_one_answer,
+        thirty_duplicates_across_two_gateway_processes_execute_once,
+        a_key_nobody_waits_for_is_finished_without_an_announcement,
+        three_hundred_duplicates_across_three_gateway_processes_execute_once,
+        thirty_events_of_one_account_split_across_three_processes_lose_no_update,
+        a_rolling_restart_under_load_loses_nothing_and_every_2xx_names_real_work,
+    ]
+);
 
 /// Fires `n` identical keyed requests at once, round-robin over `urls`.
 async fn storm(urls: &[String], n: usize, key: &str) -> Vec<Reply> {
@@ -24,15 +49,13 @@ fn assert_one_answer(replies: &[Reply]) {
     assert_eq!(replies.iter().filter(|r| !r.replayed()).count(), 1);
 }
 
-#[tokio::test]
-async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
+async fn a_completion_on_one_instance_wakes_waiters_on_the_other(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(600),
         ..Default::default()
     })
     .await;
-    let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "");
+    let (yaml, db) = fresh_config(b, &up.url(), "").await;
     let a = TestGateway::start(&yaml, &db).await;
     let b = TestGateway::start(&yaml, &db).await;
     wakeups_flow(&a).await;
@@ -57,10 +80,9 @@ async fn a_completion_on_one_instance_wakes_waiters_on_the_other() {
     );
 }
 
-#[tokio::test]
-async fn a_dead_listener_reconnects_by_itself() {
+async fn a_dead_listener_reconnects_by_itself(b: Backend) {
     let up = Upstream::start().await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
     wakeups_flow(&gw).await;
     let stats = &gw.store.wakeups().stats;
     assert_eq!(stats.listener_sessions.load(Ordering::Relaxed), 1);
@@ -88,47 +110,43 @@ async fn a_dead_listener_reconnects_by_itself() {
     wakeups_flow(&gw).await;
 }
 
-#[tokio::test]
-async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer() {
+async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(400),
         ..Default::default()
     })
     .await;
-    let db = pg::fresh_database().await;
-    let gw = TestGateway::start_with(&config_yaml(&db, &up.url(), ""), &db, false).await;
+    let (yaml, db) = fresh_config(b, &up.url(), "").await;
+    let gw = TestGateway::start_with(&yaml, &db, false).await;
     assert!(!gw.store.wakeups().healthy());
     assert_one_answer(&storm(&[gw.url("/pay")], 20, "polled").await);
     assert_eq!(up.executions(), 1);
     assert_eq!(gw.store.wakeups().stats.woken.load(Ordering::Relaxed), 0);
 }
 
-#[tokio::test]
-async fn thirty_duplicates_across_two_gateway_processes_execute_once() {
+async fn thirty_duplicates_across_two_gateway_processes_execute_once(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(500),
         ..Default::default()
     })
     .await;
-    let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "");
+    let (yaml, _db) = fresh_config(b, &up.url(), "").await;
     let a = GatewayProcess::start(&yaml).await;
-    let b = GatewayProcess::start(&yaml).await;
-    let urls = [a.url("/pay"), b.url("/pay")];
+    let b2 = GatewayProcess::start(&yaml).await;
+    let urls = [a.url("/pay"), b2.url("/pay")];
     assert_one_answer(&storm(&urls, 30, "webhook-1").await);
     assert_eq!(up.executions(), 1, "one execution across both instances");
     // A lease taken on one instance is respected by the other, with `reject` too.
-    let db2 = pg::fresh_database().await;
-    let yaml = config_yaml(&db2, &up.url(), "in_flight: reject");
+    let (yaml, _db2) = fresh_config(b, &up.url(), "in_flight: reject").await;
     let a = GatewayProcess::start(&yaml).await;
-    let b = GatewayProcess::start(&yaml).await;
+    let b2 = GatewayProcess::start(&yaml).await;
     let c = client();
     let first = in_flight(&a.url("/pay"), &up, "a", "k2", "evt").await;
-    let dup = post_to(&c, &b.url("/pay"), "a", "k2", "evt").await;
+    let dup = post_to(&c, &b2.url("/pay"), "a", "k2", "evt").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert_eq!(first.await.unwrap().status, 201);
     assert!(
-        post_to(&c, &b.url("/pay"), "a", "k2", "evt")
+        post_to(&c, &b2.url("/pay"), "a", "k2", "evt")
             .await
             .replayed()
     );
@@ -138,10 +156,9 @@ async fn thirty_duplicates_across_two_gateway_processes_execute_once() {
 /// A NOTIFY serializes commits cluster-wide; a key nobody waits for is finished without one.
 /// (Notifications arrive in commit order, so a sentinel sent afterwards, arriving first,
 /// proves no announcement came before it.)
-#[tokio::test]
-async fn a_key_nobody_waits_for_is_finished_without_an_announcement() {
+async fn a_key_nobody_waits_for_is_finished_without_an_announcement(b: Backend) {
     let up = Upstream::start().await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
     let (client_pg, mut conn) = tokio_postgres::connect(&gw.db, tokio_postgres::NoTls)
         .await
         .unwrap();
@@ -173,4 +190,197 @@ async fn a_key_nobody_waits_for_is_finished_without_an_announcement() {
     .await
     .unwrap();
     assert_eq!(first, "sentinel", "the completion was not announced");
+}
+
+/// Three gateway processes with `yaml`, started together.
+async fn three_processes(yaml: &str) -> Vec<GatewayProcess> {
+    let (a, b, c) = tokio::join!(
+        GatewayProcess::start(yaml),
+        GatewayProcess::start(yaml),
+        GatewayProcess::start(yaml)
+    );
+    vec![a, b, c]
+}
+
+async fn three_hundred_duplicates_across_three_gateway_processes_execute_once(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let (yaml, _db) = fresh_config(b, &up.url(), "wait_timeout: 20s").await;
+    let fleet = three_processes(&yaml).await;
+    let urls: Vec<String> = fleet.iter().map(|g| g.url("/pay")).collect();
+    let replies = storm(&urls, 300, "storm-300").await;
+    assert_eq!(replies.len(), 300);
+    assert_one_answer(&replies);
+    assert_eq!(up.executions(), 1, "one execution across three processes");
+}
+
+/// LAB.md's "30 events, one account" against the read-then-write ledger, the 30 deliveries
+/// split across three processes: `serialize` (one forward per account at a time, across
+/// instances) leaves 30 rows and no lost update.
+async fn thirty_events_of_one_account_split_across_three_processes_lose_no_update(b: Backend) {
+    use idemgate::lab::{self, AMOUNT, LabClient, Ledger};
+    let ledger = Ledger::new(Duration::from_millis(10));
+    let (addr, _task) = ledger.start().await.unwrap();
+    let (direct_yaml, _db) = fresh_config(b, "http://unused", "").await;
+    let store = store_block_of(&direct_yaml);
+    let yaml = lab::gateway_config(
+        "127.0.0.1:0",
+        &store,
+        &format!("http://{addr}"),
+        "20s",
+        "15s",
+    );
+    let fleet = three_processes(&yaml).await;
+    let c = LabClient::default();
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let c = c.clone();
+            let base = fleet[i % 3].url("");
+            let body = lab::event(&format!("evt-{i}"), &format!("pay-{i}"), "acct-1", AMOUNT);
+            tokio::spawn(async move { c.deliver(&base, &body).await })
+        })
+        .collect();
+    let mut ok = 0;
+    for t in tasks {
+        let a = t.await.unwrap().unwrap_or_else(|e| panic!("{e}"));
+        assert!(a.is_2xx(), "{} {:?}", a.status, a.body);
+        ok += 1;
+    }
+    assert_eq!(ok, 30);
+    assert_eq!(
+        ledger.account("acct-1"),
+        (30, 30 * AMOUNT),
+        "30 rows and every update kept"
+    );
+    assert_eq!(ledger.received(), 30, "each event executed once");
+}
+
+/// The `store:` block of a test config (its lines up to `upstreams:`).
+fn store_block_of(yaml: &str) -> String {
+    let start = yaml.find("store:\n").expect("a store block") + "store:\n".len();
+    let end = yaml.find("upstreams:").expect("upstreams after the store");
+    yaml[start..end].trim_end().to_string()
+}
+
+/// A webhook sender keeps delivering new events (each retried until it gets a 2xx, spread
+/// over the fleet) while each of three processes in turn is stopped with SIGTERM and started
+/// again. Nothing is lost (every event gets its 2xx), nothing runs twice (SIGTERM drains), and
+/// every 2xx is the answer of the one execution of its own key.
+async fn a_rolling_restart_under_load_loses_nothing_and_every_2xx_names_real_work(b: Backend) {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(50),
+        ..Default::default()
+    })
+    .await;
+    let (yaml, _db) = fresh_config(b, &up.url(), "").await;
+    let mut fleet = three_processes(&yaml).await;
+    let urls: Vec<String> = fleet.iter().map(|g| g.url("/pay")).collect();
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let senders: Vec<_> = (0..8)
+        .map(|s| {
+            let (urls, stop, c) = (urls.clone(), Arc::clone(&stop), client());
+            tokio::spawn(async move {
+                let (mut answered, mut retried) = (Vec::new(), 0usize);
+                let mut next = s;
+                // Bounded: stops when told, or after 2,000 events.
+                for i in 0..2000 {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let key = format!("s{s}-evt-{i}");
+                    // Retried like a webhook sender: on no answer or any non-2xx, again at
+                    // the next instance, until a 2xx (at most 200 tries, 25 ms apart).
+                    let mut got = None;
+                    for _ in 0..200 {
+                        next += 1;
+                        let r = try_send(
+                            &c,
+                            Method::POST,
+                            &urls[next % urls.len()],
+                            &[("idempotency-key", &key), ("x-account-id", "fleet")],
+                            "evt",
+                        )
+                        .await;
+                        match r {
+                            Ok(r) if (200..300).contains(&r.status) => {
+                                got = Some(r);
+                                break;
+                            }
+                            Ok(r) => assert!(
+                                r.status == 503 || r.status == 409,
+                                "only 'not now' answers while instances restart: {r:?}"
+                            ),
+                            Err(_) => {} // that instance is down: try the next one
+                        }
+                        retried += 1;
+                        tokio::time::sleep(Duration::from_millis(25)).await;
+                    }
+                    answered.push((key.clone(), got.unwrap_or_else(|| panic!("{key} lost"))));
+                }
+                (answered, retried)
+            })
+        })
+        .collect();
+
+    let mut answered_before = up.executions();
+    for gw in fleet.iter_mut() {
+        // Some traffic reaches the fleet before each restart.
+        wait_until("events are delivered", Duration::from_secs(20), || async {
+            up.executions() >= answered_before + 40
+        })
+        .await;
+        gw.terminate();
+        assert!(
+            gw.wait_exit(Duration::from_secs(15)).await,
+            "clean exit:\n{}",
+            gw.log_text()
+        );
+        gw.restart().await;
+        answered_before = up.executions();
+    }
+    wait_until(
+        "events are delivered after the last restart",
+        Duration::from_secs(20),
+        || async { up.executions() >= answered_before + 40 },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+
+    let (mut answers, mut retried) = (Vec::new(), 0);
+    for s in senders {
+        let (a, r) = s.await.expect("sender");
+        answers.extend(a);
+        retried += r;
+    }
+    eprintln!(
+        "rolling restart: {} events delivered, {retried} attempts refused or unanswered",
+        answers.len()
+    );
+    // Executions per key, and the execution each one's answer names.
+    let mut executed: HashMap<String, Vec<usize>> = HashMap::new();
+    for seen in up.seen() {
+        let key = seen.headers["idempotency-key"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        executed.entry(key).or_default().push(seen.execution);
+    }
+    assert!(answers.len() >= 160, "only {} events", answers.len());
+    for (key, reply) in &answers {
+        let runs = executed
+            .get(key)
+            .unwrap_or_else(|| panic!("{key} got a 2xx but was never executed: {reply:?}"));
+        assert_eq!(runs.len(), 1, "{key} executed {} times", runs.len());
+        let named = reply.json()["execution"].as_u64().unwrap() as usize;
+        assert_eq!(named, runs[0], "{key}'s 2xx is its own execution's answer");
+    }
+    assert_eq!(
+        executed.len(),
+        answers.len(),
+        "every execution was an event that got its 2xx"
+    );
 }

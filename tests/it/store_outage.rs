@@ -5,16 +5,53 @@
 
 use std::time::{Duration, Instant};
 
+use crate::support::pg::Cluster;
+use crate::support::pgbouncer::Bouncer;
 use crate::support::*;
 
 /// acquire 500ms + statement 1s (the test config) + a generous margin for a loaded machine.
 const BOUND: Duration = Duration::from_millis(500 + 1000 + 2500);
 
-#[tokio::test]
-async fn pool_exhaustion_answers_503_within_its_bound() {
+// Each runs on PostgreSQL directly and through PgBouncer in transaction mode (SPEC 8.4),
+// where the pooler stays up while PostgreSQL is down: clients connect, and their statements
+// wait in the pooler or fail there, never past the gateway's own bounds.
+backend_tests!(
+    postgres: Postgres, pgbouncer: Pgbouncer;
+    [
+        pool_exhaustion_answers_503_within_its_bound,
+        postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself,
+        pass_through_forwards_without_idempotency_and_says_so,
+        a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers,
+    ]
+);
+
+/// A private cluster (the test stops it), with a private PgBouncer in front of it for
+/// `Backend::Pgbouncer`, and a gateway config with `idem` on its fresh database.
+async fn private(
+    b: Backend,
+    up: &Upstream,
+    idem: &str,
+) -> (Cluster, Option<Bouncer>, String, String) {
+    let pooled = b == Backend::Pgbouncer;
+    let (cluster, bouncer) = tokio::task::spawn_blocking(move || {
+        let cluster = Cluster::start();
+        let bouncer = pooled.then(|| Bouncer::start(&cluster));
+        (cluster, bouncer)
+    })
+    .await
+    .expect("starting a private cluster");
+    let db = cluster.new_database().await;
+    let yaml = match &bouncer {
+        None => config_yaml(&db, &up.url(), idem),
+        Some(bouncer) => config_yaml_pgbouncer(&bouncer.url_for(&db), &db, &up.url(), idem),
+    };
+    (cluster, bouncer, yaml, db)
+}
+
+async fn pool_exhaustion_answers_503_within_its_bound(b: Backend) {
     let up = Upstream::start().await;
-    let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace("pool_size: 8", "pool_size: 1");
+    let (yaml, db) = fresh_config(b, &up.url(), "").await;
+    let yaml = yaml.replace("pool_size: 8", "pool_size: 1");
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "warm", "x").await.status, 201);
@@ -38,12 +75,10 @@ async fn pool_exhaustion_answers_503_within_its_bound() {
     assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
 }
 
-#[tokio::test]
-async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself() {
-    let cluster = pg::Cluster::start_async().await;
-    let db = cluster.new_database().await;
+async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself(b: Backend) {
     let up = Upstream::start().await;
-    let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
+    let (cluster, _bouncer, yaml, db) = private(b, &up, "").await;
+    let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "before", "x").await.status, 201);
 
@@ -79,12 +114,9 @@ async fn postgres_stopped_answers_503_within_its_bound_and_recovers_by_itself() 
     assert_eq!(up.executions(), 2);
 }
 
-#[tokio::test]
-async fn pass_through_forwards_without_idempotency_and_says_so() {
-    let cluster = pg::Cluster::start_async().await;
-    let db = cluster.new_database().await;
+async fn pass_through_forwards_without_idempotency_and_says_so(b: Backend) {
     let up = Upstream::start().await;
-    let yaml = config_yaml(&db, &up.url(), "on_store_error: pass_through");
+    let (cluster, _bouncer, yaml, db) = private(b, &up, "on_store_error: pass_through").await;
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     let normal = post(&c, &gw, "a", "k0", "x").await;
@@ -96,15 +128,13 @@ async fn pass_through_forwards_without_idempotency_and_says_so() {
     assert_eq!(up.executions(), 2);
 }
 
-#[tokio::test]
-async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers() {
+async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: Backend) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
 
-    let cluster = pg::Cluster::start_async().await;
-    let db = cluster.new_database().await;
     let up = Upstream::start().await;
-    let gw = Arc::new(TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await);
+    let (cluster, _bouncer, yaml, db) = private(b, &up, "").await;
+    let gw = Arc::new(TestGateway::start(&yaml, &db).await);
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..8)
         .map(|w| {

@@ -4,6 +4,7 @@
 pub mod certs;
 pub mod fault_proxy;
 pub mod pg;
+pub mod pgbouncer;
 pub mod process;
 pub mod upstream;
 
@@ -38,6 +39,19 @@ pub fn pg_store_block(db: &str) -> String {
     )
 }
 
+/// The Postgres store block for a pooler in transaction mode at `pooled`, the wake-up
+/// listener on the direct session `direct` (SPEC 8.4).
+pub fn pgbouncer_store_block(pooled: &str, direct: &str) -> String {
+    format!(
+        "  postgres: {{ url: \"{pooled}\", pooler: transaction, listen_url: \"{direct}\", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
+    )
+}
+
+/// The default keyed route on Postgres through the shared PgBouncer in transaction mode.
+pub fn config_yaml_pgbouncer(pooled: &str, direct: &str, upstream: &str, idem: &str) -> String {
+    config_yaml_store(&pgbouncer_store_block(pooled, direct), upstream, idem)
+}
+
 /// The embedded store block of the test configs (its record bound is also 1.5s).
 pub fn sqlite_store_block(path: &std::path::Path) -> String {
     format!(
@@ -51,6 +65,56 @@ pub fn sqlite_store_block(path: &std::path::Path) -> String {
 pub enum Backend {
     Postgres,
     Sqlite,
+    /// PostgreSQL through PgBouncer in transaction mode (`pooler: transaction`), the wake-up
+    /// listener on a direct session (`listen_url`).
+    Pgbouncer,
+    /// PostgreSQL with the keys table hash-partitioned by scope (docs/operations.md).
+    Partitioned,
+}
+
+/// Test functions `fn name(Backend)` run once per backend, each backend in a module of its
+/// own: `backend_tests!(postgres: Postgres, pgbouncer: Pgbouncer; [a, b])` makes
+/// `postgres::a`, `postgres::b`, `pgbouncer::a` and `pgbouncer::b`.
+macro_rules! backend_tests {
+    ($($module:ident: $backend:ident),+ ; $names:tt) => {
+        $( crate::support::backend_module!($module, $backend, $names); )+
+    };
+}
+pub(crate) use backend_tests;
+
+macro_rules! backend_module {
+    ($module:ident, $backend:ident, [$($name:ident),* $(,)?]) => {
+        mod $module {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    super::$name(crate::support::Backend::$backend).await
+                }
+            )*
+        }
+    };
+}
+pub(crate) use backend_module;
+
+/// A fresh PostgreSQL database reached as `backend` says, and the default config for it:
+/// (the YAML, the database's direct URL for the test's own SQL).
+pub async fn fresh_config(backend: Backend, upstream: &str, idem: &str) -> (String, String) {
+    match backend {
+        Backend::Postgres => {
+            let db = pg::fresh_database().await;
+            (config_yaml(&db, upstream, idem), db)
+        }
+        Backend::Pgbouncer => {
+            let (db, pooled) = pgbouncer::fresh_database().await;
+            (config_yaml_pgbouncer(&pooled, &db, upstream, idem), db)
+        }
+        Backend::Partitioned => {
+            let db = pg::fresh_database().await;
+            partition_keys_by_scope(&db).await;
+            (config_yaml(&db, upstream, idem), db)
+        }
+        Backend::Sqlite => panic!("a PostgreSQL backend"),
+    }
 }
 
 /// The default routes with any store block.
@@ -203,10 +267,9 @@ impl TestGateway {
         edit: impl Fn(String) -> String,
     ) -> (TestGateway, Option<TempDb>) {
         match backend {
-            Backend::Postgres => {
-                let db = pg::fresh_database().await;
-                let yaml = edit(config_yaml(&db, &upstream.url(), idem));
-                (TestGateway::start(&yaml, &db).await, None)
+            Backend::Postgres | Backend::Pgbouncer | Backend::Partitioned => {
+                let (yaml, db) = fresh_config(backend, &upstream.url(), idem).await;
+                (TestGateway::start(&edit(yaml), &db).await, None)
             }
             Backend::Sqlite => {
                 let file = TempDb::new();
@@ -252,6 +315,46 @@ impl Drop for TestGateway {
             task.abort();
         }
     }
+}
+
+/// Migrates the database `db` and hash-partitions its keys table by scope into eight
+/// partitions, as docs/operations.md ("When the keys table grows") shows, before any gateway
+/// serves on it.
+pub async fn partition_keys_by_scope(db: &str) {
+    let yaml = config_yaml(db, "http://127.0.0.1:9", "");
+    let config = Config::from_yaml(&yaml).unwrap_or_else(|e| panic!("config: {e}"));
+    let StoreConfig::Postgres(pg) = &config.store else {
+        panic!("a Postgres store")
+    };
+    PgStore::new(pg)
+        .expect("store")
+        .migrate()
+        .await
+        .expect("migrations");
+    let partitions: String = (0..8)
+        .map(|r| {
+            format!(
+                "CREATE TABLE idemgate_keys_p{r} PARTITION OF idemgate_keys \
+                 FOR VALUES WITH (MODULUS 8, REMAINDER {r}) WITH (fillfactor = 90);\n"
+            )
+        })
+        .collect();
+    sql(db)
+        .await
+        .batch_execute(&format!(
+            "BEGIN;
+             ALTER TABLE idemgate_keys RENAME TO idemgate_keys_old;
+             CREATE TABLE idemgate_keys (LIKE idemgate_keys_old INCLUDING DEFAULTS INCLUDING CONSTRAINTS)
+               PARTITION BY HASH (scope);
+             ALTER TABLE idemgate_keys ADD PRIMARY KEY (scope, key);
+             CREATE INDEX ON idemgate_keys (gc_after);
+             {partitions}
+             INSERT INTO idemgate_keys SELECT * FROM idemgate_keys_old;
+             DROP TABLE idemgate_keys_old;
+             COMMIT;"
+        ))
+        .await
+        .expect("partitioning the keys table");
 }
 
 pub async fn sql(url: &str) -> tokio_postgres::Client {

@@ -36,7 +36,7 @@ fn bin_dir() -> PathBuf {
     })
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()

@@ -49,6 +49,8 @@ impl Default for Behavior {
 /// One request as the upstream saw it.
 #[derive(Clone, Debug)]
 pub struct Seen {
+    /// The execution number its answer names.
+    pub execution: usize,
     pub method: String,
     pub uri: String,
     pub headers: HeaderMap,
@@ -222,6 +224,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
     state.max_in_progress.fetch_max(now, Ordering::SeqCst);
     state.by_path.lock().unwrap().enter(parts.uri.path());
     state.seen.lock().unwrap().push(Seen {
+        execution: n,
         method: parts.method.to_string(),
         uri: parts.uri.to_string(),
         headers: parts.headers.clone(),
