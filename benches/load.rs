@@ -315,7 +315,7 @@ fn rss_kib(pid: u32, field: &str) -> u64 {
 }
 
 /// CPU seconds used so far by: the gateway, this process (load generator and upstream),
-/// and every `postgres` process.
+/// and the cluster's processes.
 #[derive(Clone, Copy, Default)]
 struct Cpu {
     gateway: f64,
@@ -323,36 +323,50 @@ struct Cpu {
     postgres: f64,
 }
 
-fn cpu_of(pid: &str, tick: f64) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            // Fields after the parenthesised command name; utime and stime are 14 and 15.
-            let rest = &s[s.rfind(')')? + 2..];
-            let f: Vec<&str> = rest.split_whitespace().collect();
-            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / tick)
-        })
-        .unwrap_or(0.0)
+/// The fields of `/proc/<pid>/stat` after the parenthesised command name (state is 0, ppid
+/// 1, utime 11, stime 12, cutime 13, cstime 14).
+fn proc_stat(pid: &str) -> Option<Vec<u64>> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &s[s.rfind(')')? + 2..];
+    Some(
+        rest.split_whitespace()
+            .skip(1)
+            .map(|f| f.parse().unwrap_or(0))
+            .collect(),
+    )
 }
 
-fn cpu_now(gateway_pid: u32, tick: f64) -> Cpu {
-    let mut postgres = 0.0;
+fn cpu_of(pid: &str, tick: f64) -> f64 {
+    proc_stat(pid).map_or(0.0, |f| (f[10] + f[11]) as f64 / tick)
+}
+
+/// CPU seconds of this cluster alone (other PostgreSQL servers on a shared machine are not
+/// counted): the postmaster with its reaped children, and its live children.
+fn cluster_cpu(postmaster: u32, tick: f64) -> f64 {
+    let Some(pm) = proc_stat(&postmaster.to_string()) else {
+        return 0.0;
+    };
+    let mut ticks = pm[10] + pm[11] + pm[12] + pm[13];
     if let Ok(dir) = std::fs::read_dir("/proc") {
         for e in dir.flatten() {
             let name = e.file_name();
             let pid = name.to_string_lossy();
             if pid.bytes().all(|b| b.is_ascii_digit())
-                && std::fs::read_to_string(format!("/proc/{pid}/comm"))
-                    .is_ok_and(|c| c.trim() == "postgres")
+                && let Some(f) = proc_stat(&pid)
+                && f[0] == u64::from(postmaster)
             {
-                postgres += cpu_of(&pid, tick);
+                ticks += f[10] + f[11];
             }
         }
     }
+    ticks as f64 / tick
+}
+
+fn cpu_now(gateway_pid: u32, postmaster: u32, tick: f64) -> Cpu {
     Cpu {
         gateway: cpu_of(&gateway_pid.to_string(), tick),
         bench: cpu_of("self", tick),
-        postgres,
+        postgres: cluster_cpu(postmaster, tick),
     }
 }
 
@@ -478,8 +492,9 @@ routes:
         .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
         .unwrap_or(100.0);
     let gw_pid = gw.pid().expect("gateway running");
+    let postmaster = cluster.postmaster_pid().expect("the cluster runs");
     let measure = |i: usize, before: Cpu, s: &Stats, secs: u64, out: &mut Vec<Vec<Cpu>>| {
-        let after = cpu_now(gw_pid, tick);
+        let after = cpu_now(gw_pid, postmaster, tick);
         let n = (s.rps * secs as f64).max(1.0);
         out[i].push(Cpu {
             gateway: (after.gateway - before.gateway) * 1e6 / n,
@@ -491,13 +506,13 @@ routes:
     for round in 0..rounds {
         eprintln!("load: round {}/{rounds}", round + 1);
         if on(0) {
-            let before = cpu_now(gw_pid, tick);
+            let before = cpu_now(gw_pid, postmaster, tick);
             let r = drive(up, concurrency, secs, |_| post("/plain", None, "acct-0")).await;
             measure(0, before, &r, secs, &mut cpu_per_req);
             results[0].push(r);
         }
         if on(1) {
-            let before = cpu_now(gw_pid, tick);
+            let before = cpu_now(gw_pid, postmaster, tick);
             let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/plain", None, "acct-0")
             })
@@ -506,7 +521,7 @@ routes:
             results[1].push(r);
         }
         if on(2) {
-            let before = cpu_now(gw_pid, tick);
+            let before = cpu_now(gw_pid, postmaster, tick);
             let r = drive(gw_addr, concurrency, secs, move |i| {
                 post(
                     "/keyed",
@@ -519,7 +534,7 @@ routes:
             results[2].push(r);
         }
         if on(3) {
-            let before = cpu_now(gw_pid, tick);
+            let before = cpu_now(gw_pid, postmaster, tick);
             let r = drive(gw_addr, concurrency, secs, |_| {
                 post("/keyed", Some("replayed-key".into()), "acct-0")
             })
@@ -528,7 +543,7 @@ routes:
             results[3].push(r);
         }
         if on(4) {
-            let before = cpu_now(gw_pid, tick);
+            let before = cpu_now(gw_pid, postmaster, tick);
             let r = db_limit(bare_db.clone(), concurrency, secs, round).await;
             measure(4, before, &r, secs, &mut cpu_per_req);
             results[4].push(r);

@@ -219,6 +219,19 @@ impl Cluster {
         run(c, "pg_ctl start");
     }
 
+    /// The postmaster's process id while the server runs (benchmarks count its CPU).
+    #[allow(dead_code)] // used by the load harness (benches/load.rs), which includes this file
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        let dir = self.dir.as_ref()?;
+        std::fs::read_to_string(dir.join("data").join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     /// Stops the server at once, like a crash (`pg_ctl -m immediate stop`).
     pub fn pg_stop_immediate(&self) {
         let dir = self.dir.as_ref().expect("own cluster");
