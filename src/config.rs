@@ -258,7 +258,7 @@ enum RawSize {
 // ---------------------------------------------------------------------------------------------
 
 /// The whole validated configuration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub listen: SocketAddr,
     pub admin: Option<AdminConfig>,
@@ -274,7 +274,7 @@ pub struct Config {
     pub routes: Vec<Route>,
 }
 
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for the key API; never printed (see the Debug impl).
@@ -290,7 +290,7 @@ impl std::fmt::Debug for AdminConfig {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
     /// Connections served at once; further ones wait in the listen backlog.
     pub max_connections: usize,
@@ -329,13 +329,13 @@ pub enum PgTlsMode {
 }
 
 /// Collection of expired rows: one instance at a time, in small batches.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GcConfig {
     pub interval: Duration,
     pub batch_size: usize,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum StoreConfig {
     Postgres(PostgresConfig),
     Sqlite(SqliteConfig),
@@ -353,14 +353,14 @@ impl StoreConfig {
 }
 
 /// The embedded store: one SQLite file, one gateway instance.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SqliteConfig {
     pub path: std::path::PathBuf,
     /// How long a statement waits for SQLite's write lock.
     pub busy_timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone, PartialEq)]
 pub struct PostgresConfig {
     pub url: String,
     pub pool_size: usize,
@@ -379,7 +379,23 @@ pub struct PostgresConfig {
     pub allow_async_commit: bool,
 }
 
-#[derive(Debug, Clone)]
+/// The URL may hold a password: it is never printed.
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &"<redacted>")
+            .field("pool_size", &self.pool_size)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("tls", &self.tls)
+            .field("tls_ca", &self.tls_ca)
+            .field("allow_async_commit", &self.allow_async_commit)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamConfig {
     pub name: String,
     /// Base URI: scheme and authority, with an optional path prefix (no trailing slash).
@@ -394,7 +410,7 @@ pub struct UpstreamConfig {
     pub tls_ca: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Route {
     pub name: String,
     pub path: PathMatch,
@@ -490,7 +506,7 @@ pub enum OnStoreError {
     PassThrough,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct FingerprintConfig {
     /// Request headers that take part in the fingerprint, in this order.
     pub headers: Vec<HeaderName>,
@@ -501,7 +517,7 @@ pub struct FingerprintConfig {
 }
 
 /// Statuses that release the claim instead of being stored: ranges, inclusive.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StatusSet(Vec<(u16, u16)>);
 
 impl StatusSet {
@@ -510,7 +526,7 @@ impl StatusSet {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Idempotency {
     pub key: Vec<KeySource>,
     pub scope: ScopeSource,
@@ -1553,6 +1569,27 @@ routes:
             err(&yaml),
             "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s)"
         );
+    }
+
+    #[test]
+    fn the_database_url_never_reaches_debug_output() {
+        let c = Config::from_yaml(&MINIMAL.replace(
+            "postgres://u@localhost/db",
+            "postgres://u:hunter2@localhost/db",
+        ))
+        .unwrap();
+        let text = format!("{c:?}");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("<redacted>"));
+    }
+
+    #[test]
+    fn reload_decisions_compare_values() {
+        let a = Config::from_yaml(MINIMAL).unwrap();
+        let b = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(a, b);
+        let c = Config::from_yaml(&MINIMAL.replace("timeout: 30s", "timeout: 29s")).unwrap();
+        assert_ne!(a.upstreams, c.upstreams);
     }
 
     #[test]

@@ -265,7 +265,7 @@ impl Gateway {
     /// validated against its timeouts, which would not be the ones in force.
     pub fn reload(&self, config: Config) -> Result<Vec<&'static str>, String> {
         let old = self.config();
-        if format!("{:?}", old.store) != format!("{:?}", config.store) {
+        if old.store != config.store {
             return Err(
                 "the store section changed; restart to apply it (nothing was reloaded)".into(),
             );
@@ -274,16 +274,14 @@ impl Gateway {
         if old.listen != config.listen {
             restart_needed.push("listen");
         }
-        if format!("{:?}", old.admin.as_ref().map(|a| a.listen))
-            != format!("{:?}", config.admin.as_ref().map(|a| a.listen))
-        {
+        if old.admin.as_ref().map(|a| a.listen) != config.admin.as_ref().map(|a| a.listen) {
             restart_needed.push("admin.listen");
         }
-        if format!("{:?}", old.server) != format!("{:?}", config.server) {
+        if old.server != config.server {
             restart_needed.push("server");
         }
 
-        if format!("{:?}", old.gc) != format!("{:?}", config.gc) {
+        if old.gc != config.gc {
             restart_needed.push("store.gc");
         }
         if old.replay_cache_bytes != config.replay_cache_bytes {
