@@ -368,7 +368,7 @@ pub struct PostgresConfig {
     /// Server-side `statement_timeout`, also enforced on the client side.
     pub statement_timeout: Duration,
     pub tls: PgTlsMode,
-    /// CA file for `verify-full` (the system bundle without one).
+    /// CA file for `verify-full` (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
     /// Accept a database whose `synchronous_commit` is `off` (SPEC 8.4). Such a database
     /// can lose a commit that a client was already answered from (guarantee 3), so `serve`
@@ -387,7 +387,7 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// Requests being forwarded to this upstream at once, detached work included (SPEC 8.2).
     pub max_in_flight: usize,
-    /// CA file that verifies an `https` upstream (the system bundle without one).
+    /// CA file that verifies an `https` upstream (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
 }
 
@@ -995,6 +995,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                         }
                         crate::tls::roots(Some(ca))
                             .map_err(|m| invalid("store.postgres.tls.ca", m))?;
+                    } else if mode == PgTlsMode::VerifyFull {
+                        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
                     }
                     (mode, ca)
                 }
@@ -1079,6 +1081,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 Some(ca)
             }
         };
+        if https && tls_ca.is_none() {
+            // Without a CA file the platform's roots verify it: there must be some.
+            crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+        }
         if url.authority().is_none() {
             return Err(invalid(format!("{base}.url"), "has no host"));
         }

@@ -122,10 +122,11 @@ impl Upstreams {
                 connector.set_connect_timeout(Some(cfg.connect_timeout));
                 connector.set_nodelay(true);
                 connector.enforce_http(false);
-                // The CA file was loaded once at validation; if it cannot be read now, fail
-                // closed: no roots, so every https request to this upstream is refused (502).
+                // The CA file (or the platform's roots) was loaded once at validation; if it
+                // cannot be read now, fail closed: no roots, so every https request to this
+                // upstream is refused (502).
                 let tls = crate::tls::client_config(cfg.tls_ca.as_deref()).unwrap_or_else(|e| {
-                    tracing::error!(upstream = %cfg.name, error = %e, "cannot load the upstream's CA; its https requests will fail");
+                    tracing::error!(upstream = %cfg.name, error = %e, "cannot load the upstream's trusted roots; its https requests will fail");
                     rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
                         rustls::crypto::ring::default_provider(),
                     ))
