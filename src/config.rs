@@ -162,6 +162,8 @@ struct RawUpstream {
     timeout: Option<String>,
     max_in_flight: Option<usize>,
     tls: Option<RawCaOnly>,
+    http2: Option<bool>,
+    preserve_host: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -389,6 +391,14 @@ pub struct UpstreamConfig {
     pub max_in_flight: usize,
     /// CA file that verifies an `https` upstream (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Speak HTTP/2 to it: h2c with prior knowledge for `http://`, and `h2` offered before
+    /// `http/1.1` by ALPN for `https://` (the upstream picks). Off, only HTTP/1.1 is spoken,
+    /// which is what a legacy service is sure to understand.
+    pub http2: bool,
+    /// Send the client's `Host` (HTTP/1.1 `Host`, h2 `:authority`) instead of the upstream's
+    /// authority, for virtual hosts and absolute links. The connection still goes to `url`,
+    /// and an `https` upstream is still verified under the name in `url`.
+    pub preserve_host: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -1130,6 +1140,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 timeout,
                 max_in_flight,
                 tls_ca,
+                http2: up.http2.unwrap_or(false),
+                preserve_host: up.preserve_host.unwrap_or(false),
             },
         );
     }
@@ -1415,6 +1427,12 @@ fn validate_idempotency(
                     return Err(invalid(
                         p,
                         format!("'{h}' is a hop-by-hop header and is never stored"),
+                    ));
+                }
+                if name == http::header::TRAILER {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' announces trailers, and trailers are never stored"),
                     ));
                 }
                 Ok(name)
