@@ -264,8 +264,15 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
     out.push_str(&store);
     out.push('\n');
     for (name, up) in &config.upstreams {
+        let mut extra = String::new();
+        if up.http2 {
+            extra.push_str(", http2");
+        }
+        if up.preserve_host {
+            extra.push_str(", preserve_host");
+        }
         out.push_str(&format!(
-            "upstream {name}: {} (connect {}, timeout {})\n",
+            "upstream {name}: {} (connect {}, timeout {}{extra})\n",
             up.url,
             fmt_duration(up.connect_timeout),
             fmt_duration(up.timeout)

@@ -163,6 +163,8 @@ struct RawUpstream {
     timeout: Option<String>,
     max_in_flight: Option<usize>,
     tls: Option<RawCaOnly>,
+    http2: Option<bool>,
+    preserve_host: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -371,7 +373,7 @@ pub struct PostgresConfig {
     /// Server-side `statement_timeout`, also enforced on the client side.
     pub statement_timeout: Duration,
     pub tls: PgTlsMode,
-    /// CA file for `verify-full` (the system bundle without one).
+    /// CA file for `verify-full` (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
     /// Accept a database whose `synchronous_commit` is `off` (SPEC 8.4). Such a database
     /// can lose a commit that a client was already answered from (guarantee 3), so `serve`
@@ -406,8 +408,16 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// Requests being forwarded to this upstream at once, detached work included (SPEC 8.2).
     pub max_in_flight: usize,
-    /// CA file that verifies an `https` upstream (the system bundle without one).
+    /// CA file that verifies an `https` upstream (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Speak HTTP/2 to it: h2c with prior knowledge for `http://`, and `h2` offered before
+    /// `http/1.1` by ALPN for `https://` (the upstream picks). Off, only HTTP/1.1 is spoken,
+    /// which is what a legacy service is sure to understand.
+    pub http2: bool,
+    /// Send the client's `Host` (HTTP/1.1 `Host`, h2 `:authority`) instead of the upstream's
+    /// authority, for virtual hosts and absolute links. The connection still goes to `url`,
+    /// and an `https` upstream is still verified under the name in `url`.
+    pub preserve_host: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -1019,6 +1029,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                         }
                         crate::tls::roots(Some(ca))
                             .map_err(|m| invalid("store.postgres.tls.ca", m))?;
+                    } else if mode == PgTlsMode::VerifyFull {
+                        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
                     }
                     (mode, ca)
                 }
@@ -1103,6 +1115,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 Some(ca)
             }
         };
+        if https && tls_ca.is_none() {
+            // Without a CA file the platform's roots verify it: there must be some.
+            crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+        }
         if url.authority().is_none() {
             return Err(invalid(format!("{base}.url"), "has no host"));
         }
@@ -1148,6 +1164,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 timeout,
                 max_in_flight,
                 tls_ca,
+                http2: up.http2.unwrap_or(false),
+                preserve_host: up.preserve_host.unwrap_or(false),
             },
         );
     }
@@ -1433,6 +1451,12 @@ fn validate_idempotency(
                     return Err(invalid(
                         p,
                         format!("'{h}' is a hop-by-hop header and is never stored"),
+                    ));
+                }
+                if name == http::header::TRAILER {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' announces trailers, and trailers are never stored"),
                     ));
                 }
                 Ok(name)

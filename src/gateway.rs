@@ -16,6 +16,8 @@
 //!   bytes, taken before the body is read and before any claim, held until the forward ends.
 //! - A keyed request from its claim on is one spawned task, awaited by its `JoinHandle`: a
 //!   client that hangs up does not cancel it, and a task that panics is a 500 `internal`.
+//! - Only a plain request can open a tunnel (`tunnel.rs`); a keyed one's `Upgrade` is
+//!   stripped like any hop-by-hop header, so no key is claimed for a tunnel.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
@@ -405,6 +407,10 @@ impl Gateway {
         client: ClientInfo,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
+        // The connection's slot of `max_connections`: only a tunnel keeps it past this call.
+        let connection = req
+            .extensions_mut()
+            .remove::<crate::server::ConnectionSlot>();
         let raw = req.uri().path();
         let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
         let route = routing
@@ -440,6 +446,8 @@ impl Gateway {
             }
             _ => {
                 let admission = self.admit(upstream, 0)?;
+                let upgrade = crate::tunnel::requested(&req, &upstream.config)
+                    .map(|protocols| (protocols, hyper::upgrade::on(&mut req)));
                 let (parts, body) = req.into_parts();
                 let body = if parts.headers.contains_key(header::CONTENT_LENGTH) {
                     stream(body)
@@ -451,8 +459,15 @@ impl Gateway {
                         .map_err(|e| Box::new(e) as crate::forward::BoxError)
                         .boxed_unsync()
                 };
-                let out = upstream.prepare(parts, body, &client, None);
-                proxy(upstream, out, log, admission).await
+                let mut out = upstream.prepare(parts, body, &client, None);
+                match upgrade {
+                    None => proxy(upstream, out, log, admission).await,
+                    Some((protocols, on_client)) => {
+                        crate::tunnel::ask(&mut out, protocols);
+                        let hold = (admission, connection);
+                        tunnel(upstream, out, log, hold, on_client, &route.name).await
+                    }
+                }
             }
         }
     }
@@ -810,19 +825,53 @@ async fn proxy(
     let started = Instant::now();
     let sent = upstream.send(req).await;
     log.upstream = Some(started.elapsed());
-    match sent {
-        Ok(resp) => {
-            let (mut parts, body) = resp.into_parts();
-            clean_response_headers(&mut parts.headers);
-            let body = Admitted {
-                body: stream(body),
-                _admission: admission,
-            };
-            Ok(Response::from_parts(parts, body.boxed_unsync()))
-        }
-        Err(UpstreamError::Connect(e)) => Err(GatewayError::UpstreamUnavailable(e)),
-        Err(UpstreamError::Timeout) => Err(GatewayError::UpstreamTimeout),
-        Err(UpstreamError::Failed(e)) => Err(GatewayError::UpstreamFailed(e)),
+    Ok(passed_on(sent.map_err(upstream_failure)?, admission))
+}
+
+/// A plain forward that asked to switch protocols: a 101 from the upstream opens a tunnel
+/// that keeps `hold` (the admission and the connection's slot) until it closes; any other
+/// answer is passed on as by [`proxy`].
+async fn tunnel(
+    upstream: &UpstreamClient,
+    req: Request<Body>,
+    log: &mut RequestLog,
+    hold: (Admission, Option<crate::server::ConnectionSlot>),
+    on_client: hyper::upgrade::OnUpgrade,
+    route: &str,
+) -> Result<Response<Body>, GatewayError> {
+    let started = Instant::now();
+    let sent = upstream.send(req).await;
+    log.upstream = Some(started.elapsed());
+    let mut resp = sent.map_err(upstream_failure)?;
+    if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        return Ok(passed_on(resp, hold.0));
+    }
+    let on_upstream = hyper::upgrade::on(&mut resp);
+    let (mut parts, _empty) = resp.into_parts();
+    crate::tunnel::switching_headers(&mut parts.headers);
+    crate::tunnel::splice(on_client, on_upstream, route.to_string(), hold);
+    log.outcome = outcome::TUNNELED;
+    Ok(Response::from_parts(parts, full(Bytes::new())))
+}
+
+/// An upstream's answer streamed back to the client, its headers cleaned; the admission is
+/// held by the body until it has been passed on (or dropped). Trailers pass too.
+fn passed_on(resp: Response<Incoming>, admission: Admission) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    clean_response_headers(&mut parts.headers);
+    let body = Admitted {
+        body: stream(body),
+        _admission: admission,
+    };
+    Response::from_parts(parts, body.boxed_unsync())
+}
+
+/// What a failed plain forward tells the client.
+fn upstream_failure(e: UpstreamError) -> GatewayError {
+    match e {
+        UpstreamError::Connect(e) => GatewayError::UpstreamUnavailable(e),
+        UpstreamError::Timeout => GatewayError::UpstreamTimeout,
+        UpstreamError::Failed(e) => GatewayError::UpstreamFailed(e),
     }
 }
 

@@ -16,7 +16,8 @@
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
 //!   Postgres implementation with its SQL and migrations.
 //! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
-//! - [`forward`]: upstream clients, header hygiene, timeouts.
+//! - [`forward`]: upstream clients (HTTP/1.1 or h2), header hygiene, timeouts.
+//! - [`tunnel`]: upgrades (WebSocket) on plain routes, spliced until either side closes.
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
@@ -52,4 +53,5 @@ pub mod serialize;
 pub mod server;
 pub mod store;
 pub mod tls;
+pub mod tunnel;
 pub mod wait;

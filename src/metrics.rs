@@ -37,6 +37,8 @@ use prometheus_client::registry::Registry;
 pub mod outcome {
     /// Proxied on a route or method without idempotency (or keyless, not required).
     pub const PROXIED: &str = "proxied";
+    /// Proxied, and the upstream switched protocols: a tunnel was opened (`tunnel.rs`).
+    pub const TUNNELED: &str = "tunneled";
     /// Claimed and forwarded; the answer was stored (or released for a retryable status).
     pub const FORWARDED: &str = "forwarded";
     /// Answered from a stored response.

@@ -9,6 +9,11 @@
 //! connection is accepted, and open ones get `shutdown_grace` to finish their requests, as do
 //! forwards whose client left. What is still in flight when the grace ends is cut: its key
 //! keeps its lease and is never marked done.
+//!
+//! HTTP/1.1 connections are served with upgrades (`tunnel.rs`). A tunnel keeps its
+//! connection's slot of `max_connections` ([`ConnectionSlot`]) for as long as it is open,
+//! although hyper hands the connection over when it upgrades. Tunnels are not drained: they
+//! run while the process serves and are cut when it exits (a websocket client reconnects).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,7 +25,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
@@ -28,6 +33,14 @@ use crate::gateway::Gateway;
 
 /// Concurrent requests on one h2 connection.
 const H2_MAX_STREAMS: u32 = 100;
+
+/// A connection's slot of `max_connections`, shared by the connection and its requests (in
+/// their extensions): freed when the last holder is gone. Only a tunnel keeps its request's
+/// copy past the response (`Gateway::route_request` drops it for everything else).
+#[derive(Clone)]
+pub struct ConnectionSlot {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
 
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
 /// if the listener's TLS files cannot be loaded.
@@ -83,8 +96,13 @@ pub async fn run(
         let _ = stream.set_nodelay(true);
         let info = ClientInfo::new(addr, tls.is_some());
         let gw = Arc::clone(&gateway);
-        let svc = service_fn(move |req| {
+        let permit = ConnectionSlot {
+            _permit: Arc::new(permit),
+        };
+        let slot = permit.clone();
+        let svc = service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             let (gw, info) = (Arc::clone(&gw), info.clone());
+            req.extensions_mut().insert(slot.clone());
             async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
         });
         if let Some(acceptor) = &tls {
@@ -95,7 +113,8 @@ pub async fn run(
             tokio::spawn(async move {
                 match tokio::time::timeout(limit, acceptor.accept(stream)).await {
                     Ok(Ok(tls_stream)) => {
-                        let conn = builder.serve_connection(TokioIo::new(tls_stream), svc);
+                        let conn =
+                            builder.serve_connection_with_upgrades(TokioIo::new(tls_stream), svc);
                         if let Err(e) = watcher.watch(conn.into_owned()).await {
                             tracing::debug!(error = %e, "connection ended with an error");
                         }
@@ -107,7 +126,7 @@ pub async fn run(
             });
             continue;
         }
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
             if let Err(e) = conn.await {

@@ -51,6 +51,8 @@ impl Default for Behavior {
 pub struct Seen {
     pub method: String,
     pub uri: String,
+    /// The HTTP version the request arrived in.
+    pub version: http::Version,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
@@ -224,6 +226,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
     state.seen.lock().unwrap().push(Seen {
         method: parts.method.to_string(),
         uri: parts.uri.to_string(),
+        version: parts.version,
         headers: parts.headers.clone(),
         body: body.clone(),
     });
