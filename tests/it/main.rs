@@ -17,6 +17,7 @@ mod lab;
 mod operations;
 mod operator_tools;
 mod replay_cache;
+mod rollout;
 mod serialize;
 mod status_table;
 mod store_claim;
