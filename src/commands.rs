@@ -436,26 +436,37 @@ pub async fn health(target: &HealthTarget, timeout: std::time::Duration) -> Resu
             fmt_duration(timeout)
         )),
         Ok(Err(e)) => Err(format!("{url}: {e}")),
-        Ok(Ok((status, _))) if status == http::StatusCode::OK => {
-            Ok(format!("ready: {url} answered 200"))
+        Ok(Ok((status, body))) if status == http::StatusCode::OK => {
+            // Ready through a store outage (see admin.rs): say so, and still exit 0.
+            match body_field(&body, "status").as_deref() {
+                Some("degraded") => Ok(format!(
+                    "ready (degraded: {}): {url} answered 200",
+                    body_field(&body, "reason").unwrap_or_default()
+                )),
+                _ => Ok(format!("ready: {url} answered 200")),
+            }
         }
         Ok(Ok((status, body))) => {
-            // /readyz says why in its JSON body; keep the line one line and short.
-            let reason = serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_string))
-                .map(|r| {
-                    let r: String = r
-                        .chars()
-                        .map(|c| if c.is_control() { ' ' } else { c })
-                        .take(300)
-                        .collect();
-                    format!(": {r}")
-                })
+            // /readyz says why in its JSON body.
+            let reason = body_field(&body, "reason")
+                .or_else(|| body_field(&body, "status"))
+                .map(|r| format!(": {r}"))
                 .unwrap_or_default();
             Err(format!("{url} answered {status}{reason}"))
         }
     }
+}
+
+/// A string field of a `/readyz` JSON body, on one short line.
+fn body_field(body: &[u8], name: &str) -> Option<String> {
+    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    let text = value.get(name)?.as_str()?;
+    Some(
+        text.chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .take(300)
+            .collect(),
+    )
 }
 
 /// Where to reach a listener from the same host: an unspecified address (`0.0.0.0`, `::`)

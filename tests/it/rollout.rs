@@ -347,6 +347,14 @@ async fn a_second_signal_ends_the_drain_delay_early() {
         admin_get(&admin, "/readyz").await.status == 503
     })
     .await;
+    // The image's HEALTHCHECK says why.
+    let health = idemgate_health(&admin).await;
+    assert_eq!(health.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&health.stderr)
+            .contains("answered 503 Service Unavailable: draining"),
+        "{health:?}"
+    );
     let second = Instant::now();
     gw.terminate();
     assert!(
@@ -412,4 +420,20 @@ async fn readyz_fails_until_the_store_is_first_ready_then_stays_200_through_an_o
         !String::from_utf8_lossy(&degraded.body).contains("postgres://"),
         "the database URL (a secret) is not printed"
     );
+    // The image's HEALTHCHECK stays healthy, and says the store is down.
+    let health = idemgate_health(&admin).await;
+    assert_eq!(health.status.code(), Some(0), "{health:?}");
+    assert!(
+        String::from_utf8_lossy(&health.stdout).starts_with("ready (degraded: "),
+        "{health:?}"
+    );
+}
+
+/// `idemgate health --url` on an admin listener's `/readyz`.
+async fn idemgate_health(admin: &str) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["health", "--url", &format!("http://{admin}/readyz")])
+        .output()
+        .await
+        .unwrap()
 }
