@@ -96,6 +96,7 @@ struct RawServer {
     header_read_timeout: Option<String>,
     body_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
+    drain_delay: Option<String>,
     max_buffered_bytes: Option<RawSize>,
     worker_threads: Option<usize>,
     tls: Option<RawServerTls>,
@@ -188,6 +189,7 @@ struct RawMatch {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawIdempotency {
+    mode: Option<Mode>,
     key: Option<Vec<RawKeySource>>,
     scope: Option<RawScope>,
     required: Option<bool>,
@@ -302,8 +304,13 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Time a client has to send a keyed request's whole body (it is read before the claim).
     pub body_read_timeout: Duration,
-    /// Time in-flight requests get to finish after SIGTERM/SIGINT.
+    /// Time in-flight requests get to finish after SIGTERM/SIGINT, once the listener has
+    /// stopped accepting.
     pub shutdown_grace: Duration,
+    /// After SIGTERM/SIGINT, how long `/readyz` answers 503 while the listener still
+    /// accepts and serves (SPEC 8.3), so load balancers stop sending before it closes. Zero
+    /// (the default) closes the listener at once.
+    pub drain_delay: Duration,
     /// Request bodies and captured responses held in memory at once, across all requests
     /// (SPEC 8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
@@ -495,6 +502,29 @@ pub enum ScopeSource {
     Fixed(String),
 }
 
+/// Whether a keyed route enforces idempotency or only observes what enforcing would do
+/// (SPEC 8.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Replay, wait, refuse mismatches and store trouble, as SPEC section 2 says.
+    #[default]
+    Enforce,
+    /// Claim, fingerprint and record as `Enforce` does, but always forward: what enforcing
+    /// would have done is counted (`idemgate_observed_total`) and logged, never done.
+    Observe,
+}
+
+impl Mode {
+    /// The name the config uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Observe => "observe",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InFlight {
@@ -538,6 +568,8 @@ impl StatusSet {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Idempotency {
+    /// `enforce` (the default) or `observe` (a shadow rollout).
+    pub mode: Mode,
     pub key: Vec<KeySource>,
     pub scope: ScopeSource,
     pub required: bool,
@@ -586,6 +618,7 @@ pub mod defaults {
     pub const MAX_HEADER_BYTES: usize = 64 * 1024;
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const DRAIN_DELAY: Duration = Duration::ZERO;
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
     pub const MAX_BUFFERED_BYTES: usize = 256 * 1024 * 1024;
     pub const UPSTREAM_MAX_IN_FLIGHT: usize = 1024;
@@ -835,6 +868,18 @@ fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Dura
     }
 }
 
+/// As [`duration_or`], but zero is allowed (`0s` switches the delay off).
+fn duration_or_zero(
+    path: &str,
+    v: Option<&String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => parse_duration(s).map_err(|m| invalid(path, m)),
+    }
+}
+
 fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
     match v {
         None => Ok(default),
@@ -955,6 +1000,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             "server.shutdown_grace",
             raw.server.shutdown_grace.as_ref(),
             defaults::SHUTDOWN_GRACE,
+        )?,
+        drain_delay: duration_or_zero(
+            "server.drain_delay",
+            raw.server.drain_delay.as_ref(),
+            defaults::DRAIN_DELAY,
         )?,
         max_buffered_bytes: size_or(
             "server.max_buffered_bytes",
@@ -1475,6 +1525,7 @@ fn validate_idempotency(
         defaults::MAX_STORED_RESPONSE,
     )?;
     Ok(Idempotency {
+        mode: raw.mode.unwrap_or_default(),
         key,
         scope,
         required: raw.required.unwrap_or(false),
@@ -1700,6 +1751,38 @@ routes:
         assert!(s.contains(409) && s.contains(501) && !s.contains(503) && !s.contains(500 - 1));
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { retry_statuses: [600] }");
         assert!(err(&yaml).contains("routes[0].idempotency.retry_statuses[0]: 600"));
+    }
+
+    #[test]
+    fn mode_is_enforce_unless_the_route_says_observe() {
+        let mode = |yaml: &str| {
+            Config::from_yaml(yaml).unwrap().routes[0]
+                .idempotency
+                .as_ref()
+                .unwrap()
+                .mode
+        };
+        assert_eq!(mode(MINIMAL), Mode::Enforce);
+        let observe = MINIMAL.replace("idempotency: {}", "idempotency: { mode: observe }");
+        assert_eq!(mode(&observe), Mode::Observe);
+        let bad = MINIMAL.replace("idempotency: {}", "idempotency: { mode: shadow }");
+        let e = err(&bad);
+        assert!(
+            e.starts_with("routes[0].idempotency.mode: unknown variant `shadow`, expected `enforce` or `observe`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn drain_delay_defaults_to_zero_and_may_be_zero() {
+        let delay = |yaml: &str| Config::from_yaml(yaml).unwrap().server.drain_delay;
+        assert_eq!(delay(MINIMAL), Duration::ZERO);
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: 10s }}\n");
+        assert_eq!(delay(&yaml), Duration::from_secs(10));
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: 0s }}\n");
+        assert_eq!(delay(&yaml), Duration::ZERO);
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: soon }}\n");
+        assert!(err(&yaml).starts_with("server.drain_delay: "));
     }
 
     #[test]

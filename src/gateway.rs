@@ -18,22 +18,29 @@
 //!   client that hangs up does not cancel it, and a task that panics is a 500 `internal`.
 //! - Only a plain request can open a tunnel (`tunnel.rs`); a keyed one's `Upgrade` is
 //!   stripped like any hop-by-hop header, so no key is claimed for a tunnel.
+//! - A `mode: observe` route (SPEC 8.3) claims, fingerprints and records a first attempt
+//!   exactly as `enforce` does, but every request is forwarded: a duplicate, an in-flight
+//!   duplicate or a mismatch is forwarded unrecorded (the stored first answer is never
+//!   touched) and counted in `idemgate_observed_total`; a request that cannot be keyed, a
+//!   body over `max_request_body` and store trouble are forwarded without idempotency. Its
+//!   answers never come from the replay cache, `serialize` does not apply, and it never
+//!   answers 409, 422 or 503 for the store.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
-use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
+use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{
     Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
@@ -41,7 +48,7 @@ use crate::forward::{
 };
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
-use crate::metrics::{Metrics, outcome};
+use crate::metrics::{Metrics, observed, outcome};
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
 use crate::serialize::Serializer;
@@ -71,6 +78,38 @@ pub struct Gateway {
     limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
     /// `server.max_buffered_bytes` (a restart applies a change).
     budget: Arc<ByteBudget>,
+    /// Draining, and whether the store has been ready once (what `/readyz` reports).
+    readiness: Readiness,
+}
+
+/// What `/readyz` needs to know besides the store's own answer (see `admin.rs`).
+#[derive(Debug, Default)]
+pub struct Readiness {
+    /// Set once on SIGTERM/SIGINT: `/readyz` answers 503 from then on (SPEC 8.3).
+    draining: AtomicBool,
+    /// Set the first time the store answered, migrated and durable: from then on a store
+    /// outage is reported by `/readyz` without failing it.
+    store_was_ready: AtomicBool,
+}
+
+impl Readiness {
+    /// Marks the process as draining; it never becomes ready again.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Records that the store was found ready (migrated, durable) by this process.
+    pub fn store_ready(&self) {
+        self.store_was_ready.store(true, Ordering::SeqCst);
+    }
+
+    pub fn store_was_ready(&self) -> bool {
+        self.store_was_ready.load(Ordering::SeqCst)
+    }
 }
 
 /// One configuration and the upstream clients built from it.
@@ -203,6 +242,7 @@ impl Gateway {
             metrics.buffered_bytes.clone(),
         ));
         let limits = std::sync::Mutex::default();
+        metrics.init_observed(&config);
         let routing = Routing::new(
             config,
             &LimitRegistry {
@@ -218,7 +258,13 @@ impl Gateway {
             metrics,
             limits,
             budget,
+            readiness: Readiness::default(),
         }
+    }
+
+    /// Draining and store readiness, for `/readyz` and the shutdown path.
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
     }
 
     /// Admits a request to `upstream` with `bytes` of body to buffer, or refuses it
@@ -292,6 +338,7 @@ impl Gateway {
         if old.log_format != config.log_format {
             restart_needed.push("log");
         }
+        self.metrics.init_observed(&config);
         let routing = Routing::new(
             Arc::new(config),
             &LimitRegistry {
@@ -373,6 +420,13 @@ impl Gateway {
                 (resp, Some(err))
             }
         };
+        // While draining, an HTTP/1 client is told to reconnect (through its load balancer,
+        // which no longer sends here) instead of reusing this connection. h2 gets GOAWAY when
+        // the listener stops accepting.
+        if self.readiness.draining() && version < http::Version::HTTP_2 {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         let route = log.route.as_deref().unwrap_or("");
         self.metrics.request(route, log.outcome);
         if let Some(took) = log.upstream {
@@ -484,6 +538,7 @@ impl Gateway {
         log: &mut RequestLog,
         mut admission: Admission,
     ) -> Result<Response<Body>, GatewayError> {
+        let observe = idem.mode == Mode::Observe;
         let (parts, body) = req.into_parts();
         let limit = routing.config.server.body_read_timeout;
         let body = tokio::time::timeout(
@@ -492,40 +547,52 @@ impl Gateway {
         )
         .await
         .map_err(|_| GatewayError::BodyTimeout(limit))??;
+        let too_large = GatewayError::BodyTooLarge {
+            limit: idem.max_request_body,
+        };
+        let body = match body {
+            RequestBody::Whole(body) => body,
+            RequestBody::TooLarge(rest) if observe => {
+                return forward_unkeyed(
+                    route, upstream, parts, rest, client, log, admission, too_large,
+                )
+                .await;
+            }
+            RequestBody::TooLarge(_) => return Err(too_large),
+        };
         admission.bytes.resize(body.len());
         log.bytes_in = Some(body.len() as u64);
-        let mut json = JsonBody::new(&body);
-        let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
-            // No key and none required: a plain forward.
-            let out = upstream.prepare(parts, full(body), &client, None);
-            return proxy(upstream, out, log, admission).await;
+        let (KeyScope { key, scope }, fp) = match key_request(route, idem, &parts, &body) {
+            Ok(Some(keyed)) => keyed,
+            Ok(None) => {
+                // No key and none required: a plain forward.
+                let out = upstream.prepare(parts, full(body), &client, None);
+                return proxy(upstream, out, log, admission).await;
+            }
+            Err(e) if observe => {
+                return forward_unkeyed(
+                    route,
+                    upstream,
+                    parts,
+                    full(body),
+                    client,
+                    log,
+                    admission,
+                    e,
+                )
+                .await;
+            }
+            Err(e) => return Err(e),
         };
-        json.refuse_ambiguous(&parts.headers)?;
-        let json_value = if idem.fingerprint.json_canonical {
-            Some(json.get()?)
-        } else {
-            None
-        };
-        // The path was normalized before routing (see `route_request`).
-        let pq = parts
-            .uri
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
-        let fp = fingerprint(
-            &idem.fingerprint,
-            &parts.method,
-            &route.name,
-            pq,
-            &parts.headers,
-            &body,
-            json_value,
-        )?;
         let id = key_id(&scope, &key);
         log.key_id = Some(id.clone());
         // Hot replays skip the store (see cache.rs for why a hit is always a committed,
-        // unexpired answer to this very request).
-        let cache = self.store.wakeups().trusted_cache();
+        // unexpired answer to this very request). An observe route never replays.
+        let cache = if observe {
+            None
+        } else {
+            self.store.wakeups().trusted_cache()
+        };
         if let Some((cache, _)) = cache
             && let Some(hit) = cache.get(&id, &fp)
         {
@@ -656,9 +723,29 @@ impl KeyedWork {
             ttl: idem.ttl,
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
+        let observe = idem.mode == Mode::Observe;
+        // What an observe route forwards without claiming: the upstream sees it as enforcing
+        // would have forwarded it, key header included; nothing is recorded.
+        let forward_observed = |log_outcome: &'static str, parts, body, admission| {
+            let request = upstream.prepare(
+                parts,
+                full(body),
+                &client,
+                Some((&idem.forward_key_header, &key)),
+            );
+            async move {
+                let mut log = RequestLog::new(log_outcome);
+                let result = proxy(upstream, request, &mut log, admission).await;
+                (result, log_outcome, log.upstream)
+            }
+        };
         let mut claimed_at = Instant::now();
         let first = match gateway.store.claim(claim).await {
             Ok(found) => found,
+            Err(e) if observe => {
+                tracing::warn!(route = %route.name, key = %id, error = %e, "observe: the store cannot claim; forwarded without idempotency");
+                return forward_observed(outcome::BYPASSED, parts, body, admission).await;
+            }
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
@@ -674,6 +761,21 @@ impl KeyedWork {
             }
             Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
         };
+        if observe {
+            let would = match &first {
+                Claim::Acquired { .. } => None,
+                Claim::Completed(..) | Claim::NotReplayable { .. } | Claim::Held => {
+                    Some(observed::WOULD_REPLAY)
+                }
+                Claim::InFlight { .. } => Some(observed::WOULD_WAIT),
+                Claim::Mismatch => Some(observed::WOULD_MISMATCH),
+            };
+            if let Some(would) = would {
+                gateway.metrics.observed(&route.name, would);
+                tracing::info!(route = %route.name, key = %id, observed = would, "observe: forwarded a request that enforcing would not have forwarded");
+                return forward_observed(outcome::OBSERVED, parts, body, admission).await;
+            }
+        }
         let mut waited = false;
         let found = match first {
             Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
@@ -762,27 +864,107 @@ impl KeyedWork {
     }
 }
 
-/// Reads a keyed request's body up to `limit`: by `Content-Length` up front, then by count.
+/// The key, scope and fingerprint of a keyed request; `None` when it has no key and the
+/// route does not require one. Every error is the client's: the request cannot be keyed.
+fn key_request(
+    route: &Route,
+    idem: &Idempotency,
+    parts: &http::request::Parts,
+    body: &Bytes,
+) -> Result<Option<(KeyScope, Fingerprint)>, GatewayError> {
+    let mut json = JsonBody::new(body);
+    let Some(keyed) = extract(idem, &parts.headers, &mut json)? else {
+        return Ok(None);
+    };
+    json.refuse_ambiguous(&parts.headers)?;
+    let json_value = if idem.fingerprint.json_canonical {
+        Some(json.get()?)
+    } else {
+        None
+    };
+    // The path was normalized before routing (see `route_request`).
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
+    let fp = fingerprint(
+        &idem.fingerprint,
+        &parts.method,
+        &route.name,
+        pq,
+        &parts.headers,
+        body,
+        json_value,
+    )?;
+    Ok(Some((keyed, fp)))
+}
+
+/// On an observe route, a request that enforcing would refuse before any claim (`why`: it
+/// cannot be keyed, or its body is over `max_request_body`): forwarded without idempotency
+/// and counted under the outcome enforcing would have had (an upstream failure counts as
+/// itself).
+#[allow(clippy::too_many_arguments)] // one request's parts, named
+async fn forward_unkeyed(
+    route: &Route,
+    upstream: &UpstreamClient,
+    parts: http::request::Parts,
+    body: Body,
+    client: ClientInfo,
+    log: &mut RequestLog,
+    admission: Admission,
+    why: GatewayError,
+) -> Result<Response<Body>, GatewayError> {
+    tracing::info!(route = %route.name, would = why.outcome(), reason = %why, "observe: enforcing would refuse this request; forwarded without idempotency");
+    let out = upstream.prepare(parts, body, &client, None);
+    let resp = proxy(upstream, out, log, admission).await?;
+    log.outcome = why.outcome();
+    Ok(resp)
+}
+
+/// A keyed request's body as read.
+enum RequestBody {
+    /// All of it, within the route's limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, then the rest, unread, as one body (only an observe
+    /// route forwards it; enforcing refuses it with 413).
+    TooLarge(Body),
+}
+
+/// Reads a keyed request's body up to `limit`: by `Content-Length` up front (a body that
+/// says it is larger is not read at all), then by count.
 async fn read_body(
     headers: &http::HeaderMap,
-    body: Incoming,
+    mut body: Incoming,
     limit: usize,
-) -> Result<Bytes, GatewayError> {
+) -> Result<RequestBody, GatewayError> {
+    use hyper::body::Body as _;
     if let Some(len) = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok())
         && len > limit as u64
     {
-        return Err(GatewayError::BodyTooLarge { limit });
+        return Ok(RequestBody::TooLarge(stream(body)));
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(GatewayError::BodyTooLarge { limit })
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| GatewayError::BodyRead(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                let rest = Prefixed {
+                    head: Some(buf.freeze()),
+                    rest: body,
+                };
+                return Ok(RequestBody::TooLarge(rest.boxed_unsync()));
+            }
         }
-        Err(e) => Err(GatewayError::BodyRead(e.to_string())),
+        if body.is_end_stream() {
+            break;
+        }
     }
+    Ok(RequestBody::Whole(buf.freeze()))
 }
 
 /// The answer of a keyed request's task; a task that panicked or was cancelled is a bug,
@@ -935,7 +1117,9 @@ impl ForwardJob {
         let gateway = Arc::clone(&self.gateway);
         let store = gateway.store.as_ref();
         let held = match idem.serialize {
+            // Serializing is enforcement: an observe route forwards at once.
             None => None,
+            Some(_) if idem.mode == Mode::Observe => None,
             Some(ser) => {
                 // The forward and its recording must fit in what is left of the lease.
                 let (_, _, upstream) = routing
@@ -1033,16 +1217,16 @@ impl ForwardJob {
                     &idem.replay_headers,
                     bytes.clone(),
                 );
-                self.record(Outcome::Completed(stored), idem.ttl).await?;
+                self.settle(Outcome::Completed(stored), idem).await?;
                 tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
                 Ok(Response::from_parts(parts, full(bytes)))
             }
             Ok((mut parts, Captured::TooLarge { head, rest })) => {
-                self.record(
+                self.settle(
                     Outcome::NotReplayable {
                         status: parts.status.as_u16(),
                     },
-                    idem.ttl,
+                    idem,
                 )
                 .await?;
                 clean_response_headers(&mut parts.headers);
@@ -1053,6 +1237,20 @@ impl ForwardJob {
                 Ok(Response::from_parts(parts, body.boxed_unsync()))
             }
         }
+    }
+
+    /// Records a final outcome before its answer is passed on. Enforcing, the answer depends
+    /// on it ([`record`](Self::record)); an observe route tries once and passes the answer on
+    /// whatever happens, since store trouble never blocks it (a key not recorded stays in
+    /// flight until its lease ends, so its duplicates count as `would_wait` meanwhile).
+    async fn settle(&self, outcome: Outcome, idem: &Idempotency) -> Result<(), GatewayError> {
+        if idem.mode == Mode::Enforce {
+            return self.record(outcome, idem.ttl).await.map(drop);
+        }
+        if let Err(e) = self.finish(outcome, idem.ttl).await {
+            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
+        }
+        Ok(())
     }
 
     /// Records a final outcome, retried a little while the lease lasts; the answer depends on

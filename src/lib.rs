@@ -3,11 +3,12 @@
 //! The modules, in the order a request meets them:
 //!
 //! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
-//! - [`server`]: listener, connection limit, header read timeout, graceful shutdown.
+//! - [`server`]: listener, connection limit, header read timeout, drain and graceful shutdown.
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: upstream slots and buffered bytes.
 //! - [`access`]: request ids and the access log line of each request.
-//! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
+//! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay
+//!   (or, on an observe route, forward and count what enforcing would have done).
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
@@ -21,7 +22,7 @@
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
-//! - [`admin`]: health, readiness and the key API on `admin.listen`.
+//! - [`admin`]: health, readiness (draining, store trouble) and the key API on `admin.listen`.
 //! - [`keys`]: operator lookups and deletes of stored keys (key API and `idemgate keys`).
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).

@@ -20,6 +20,7 @@ mod lab;
 mod operations;
 mod operator_tools;
 mod replay_cache;
+mod rollout;
 mod row_invariants;
 mod serialize;
 mod status_table;

@@ -43,6 +43,17 @@ impl GatewayProcess {
         self.inner.terminate().unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Sends SIGHUP: reload the config file.
+    pub fn hangup(&self) {
+        let pid = self.pid().expect("running");
+        let sent = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(sent, "kill -HUP failed");
+    }
+
     /// Waits for the process to exit, returning whether it exited cleanly.
     pub async fn wait_exit(&mut self, limit: Duration) -> bool {
         match self.inner.wait_exit(limit).await {
