@@ -38,6 +38,7 @@ use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::body::{Admitted, RequestBody, read_body};
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
@@ -50,16 +51,16 @@ use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
 use crate::metrics::{Metrics, observed, outcome};
 use crate::problem::GatewayError;
-use crate::replay::StoredResponse;
+use crate::record::ForwardJob;
 use crate::serialize::Serializer;
-use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
+use crate::store::{Claim, ClaimRequest, Store};
 use crate::wait::{self, key_id};
 
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
 
 /// A duplicate is still in flight: come back in a second.
-fn in_flight_error() -> GatewayError {
+pub(crate) fn in_flight_error() -> GatewayError {
     GatewayError::InFlight {
         retry_after: Duration::from_secs(1),
     }
@@ -70,10 +71,10 @@ pub struct Gateway {
     /// The routes and upstream clients in force; a reload swaps the whole snapshot, and each
     /// request (and its forward job) keeps the one it started with.
     routing: RwLock<Arc<Routing>>,
-    store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn Store>,
     jobs: Arc<Jobs>,
-    serializer: Serializer,
-    metrics: Arc<Metrics>,
+    pub(crate) serializer: Serializer,
+    pub(crate) metrics: Arc<Metrics>,
     /// Admission counters by upstream name, kept across reloads.
     limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
     /// `server.max_buffered_bytes` (a restart applies a change).
@@ -124,7 +125,7 @@ impl Routing {
         Routing { config, upstreams }
     }
 
-    fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
+    pub(crate) fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
         let route = self.config.routes.iter().find(|r| r.name == name)?;
         let idem = route.idempotency.as_ref()?;
         let upstream = self.upstreams.get(&route.upstream)?;
@@ -622,53 +623,6 @@ impl Gateway {
         log.upstream = upstream_took;
         result
     }
-
-    /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
-    /// key holds then (never `InFlight`) and when the look that found it started. See
-    /// `wait.rs` for how waiters are woken and how their lookups are shared.
-    async fn wait_in_flight(
-        &self,
-        req: ClaimRequest<'_>,
-        deadline: Instant,
-    ) -> Result<(Claim, Instant), GatewayError> {
-        let wakeups = self.store.wakeups();
-        let sub = wakeups.subscribe(req.scope, req.key);
-        let mut since = Instant::now();
-        let mut pause = wait::POLL_MIN;
-        loop {
-            let woken = sub.next_wakeup();
-            let looked_at = Instant::now();
-            let found = sub
-                .lookup(self.store.as_ref(), req, since, deadline)
-                .await?;
-            let lease_remaining = match found {
-                None => return Err(in_flight_error()),
-                Some(Claim::InFlight { lease_remaining }) => lease_remaining,
-                Some(other) => return Ok((other, looked_at)),
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(in_flight_error());
-            }
-            let nap = if wakeups.healthy() {
-                wait::SAFETY_POLL
-            } else {
-                let p = pause;
-                pause = (pause * 2).min(wait::POLL_MAX);
-                p
-            };
-            // Look again when the holder's lease ends: it may have crashed.
-            let nap = nap
-                .min(lease_remaining + wait::POLL_MIN)
-                .max(wait::POLL_MIN)
-                .min(deadline - now);
-            tokio::select! {
-                () = woken => {}
-                () = tokio::time::sleep(nap) => {}
-            }
-            since = Instant::now();
-        }
-    }
 }
 
 /// A keyed request from its claim on, owned by its own task (see `Gateway::keyed`).
@@ -782,16 +736,15 @@ impl KeyedWork {
                 return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None);
             }
             Claim::InFlight { .. } => {
-                match gateway
-                    .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
-                    .await
-                {
-                    Ok((found, at)) => {
+                let deadline = Instant::now() + idem.wait_timeout;
+                match wait::wait_in_flight(gateway.store.as_ref(), claim, deadline).await {
+                    Ok(Some((found, at))) => {
                         claimed_at = at;
                         waited = true;
                         found
                     }
-                    Err(e) => return (Err(e), outcome::IN_FLIGHT_REJECTED, None),
+                    Ok(None) => return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None),
+                    Err(e) => return (Err(e.into()), outcome::IN_FLIGHT_REJECTED, None),
                 }
             }
             other => other,
@@ -922,51 +875,6 @@ async fn forward_unkeyed(
     Ok(resp)
 }
 
-/// A keyed request's body as read.
-enum RequestBody {
-    /// All of it, within the route's limit.
-    Whole(Bytes),
-    /// Over the limit: what was read, then the rest, unread, as one body (only an observe
-    /// route forwards it; enforcing refuses it with 413).
-    TooLarge(Body),
-}
-
-/// Reads a keyed request's body up to `limit`: by `Content-Length` up front (a body that
-/// says it is larger is not read at all), then by count.
-async fn read_body(
-    headers: &http::HeaderMap,
-    mut body: Incoming,
-    limit: usize,
-) -> Result<RequestBody, GatewayError> {
-    use hyper::body::Body as _;
-    if let Some(len) = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        && len > limit as u64
-    {
-        return Ok(RequestBody::TooLarge(stream(body)));
-    }
-    let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| GatewayError::BodyRead(e.to_string()))?;
-        if let Ok(data) = frame.into_data() {
-            buf.extend_from_slice(&data);
-            if buf.len() > limit {
-                let rest = Prefixed {
-                    head: Some(buf.freeze()),
-                    rest: body,
-                };
-                return Ok(RequestBody::TooLarge(rest.boxed_unsync()));
-            }
-        }
-        if body.is_end_stream() {
-            break;
-        }
-    }
-    Ok(RequestBody::Whole(buf.freeze()))
-}
-
 /// The answer of a keyed request's task; a task that panicked or was cancelled is a bug,
 /// never blamed on the store or the upstream.
 fn joined(joined: Result<KeyedResult, tokio::task::JoinError>) -> KeyedResult {
@@ -1054,304 +962,6 @@ fn upstream_failure(e: UpstreamError) -> GatewayError {
         UpstreamError::Connect(e) => GatewayError::UpstreamUnavailable(e),
         UpstreamError::Timeout => GatewayError::UpstreamTimeout,
         UpstreamError::Failed(e) => GatewayError::UpstreamFailed(e),
-    }
-}
-
-/// A response body that holds its request's admission until it is done with.
-struct Admitted {
-    body: Body,
-    _admission: Admission,
-}
-
-impl hyper::body::Body for Admitted {
-    type Data = Bytes;
-    type Error = crate::forward::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// A claimed request on its way to the upstream, detached from the client connection.
-struct ForwardJob {
-    gateway: Arc<Gateway>,
-    /// The configuration the request started with (a reload does not change it midway).
-    routing: Arc<Routing>,
-    route: String,
-    scope: String,
-    key: String,
-    token: LeaseToken,
-    /// Local time by which the lease has surely ended; no write is attempted after it.
-    lease_ends: Instant,
-    /// The upstream slot and buffered bytes; a captured response is added as it arrives.
-    admission: Admission,
-}
-
-/// How many times a completion is attempted before the client is told it failed.
-const FINISH_ATTEMPTS: u32 = 3;
-
-impl ForwardJob {
-    /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
-    /// Runs inside the keyed request's own task, so a client that goes away does not stop
-    /// it. Also sets how long the upstream took, when it was called.
-    async fn run(
-        mut self,
-        request: Request<Body>,
-        took: &mut Option<Duration>,
-    ) -> Result<Response<Body>, GatewayError> {
-        let routing = Arc::clone(&self.routing);
-        let (_, idem, _) = routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
-        let gateway = Arc::clone(&self.gateway);
-        let store = gateway.store.as_ref();
-        let held = match idem.serialize {
-            // Serializing is enforcement: an observe route forwards at once.
-            None => None,
-            Some(_) if idem.mode == Mode::Observe => None,
-            Some(ser) => {
-                // The forward and its recording must fit in what is left of the lease.
-                let (_, _, upstream) = routing
-                    .route(&self.route)
-                    .expect("the route of a claimed request exists");
-                let last_start = self.lease_ends
-                    - upstream.config.timeout
-                    - self.routing.config.store.record_bound() * 2;
-                let got = gateway
-                    .serializer
-                    .acquire(store, &self.scope, ser, idem.lease, last_start)
-                    .await;
-                match got {
-                    Ok(Some(held)) => Some(held),
-                    Ok(None) | Err(_) => {
-                        // Nothing was forwarded: give the key back so a retry can go through.
-                        if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                            tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
-                        }
-                        return Err(match got {
-                            Err(e) => GatewayError::Store(e),
-                            _ => in_flight_error(),
-                        });
-                    }
-                }
-            }
-        };
-        let result = self.forward(request, took).await;
-        if let Some(held) = held {
-            held.release(store).await;
-        }
-        result
-    }
-
-    /// Forwards once and records the outcome.
-    async fn forward(
-        &mut self,
-        request: Request<Body>,
-        took: &mut Option<Duration>,
-    ) -> Result<Response<Body>, GatewayError> {
-        let (_, idem, upstream) = self
-            .routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
-        let started = Instant::now();
-        let limit = idem.max_stored_response;
-        let held = &mut self.admission.bytes;
-        let exchange = async {
-            let resp = upstream.send(request).await?;
-            let (parts, body) = resp.into_parts();
-            if idem.retry_statuses.contains(parts.status.as_u16()) {
-                return Ok((parts, Captured::PassOn(body)));
-            }
-            let captured = read_capped(body, limit, held).await?;
-            Ok::<_, UpstreamError>((parts, captured))
-        };
-        let result = match tokio::time::timeout(upstream.config.timeout, exchange).await {
-            Ok(r) => r,
-            Err(_) => Err(UpstreamError::Timeout),
-        };
-        *took = Some(started.elapsed());
-        match result {
-            Err(UpstreamError::Connect(e)) => {
-                self.finish(Outcome::Release, idem.ttl).await.ok();
-                Err(GatewayError::UpstreamUnavailable(e))
-            }
-            Err(e) => {
-                let outcome = match idem.on_unknown_outcome {
-                    OnUnknownOutcome::Reforward => Outcome::Release,
-                    OnUnknownOutcome::Hold => Outcome::Unknown,
-                };
-                if let Err(se) = self.finish(outcome, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
-                }
-                Err(match e {
-                    UpstreamError::Timeout => GatewayError::UpstreamTimeout,
-                    UpstreamError::Failed(msg) | UpstreamError::Connect(msg) => {
-                        GatewayError::UpstreamFailed(msg)
-                    }
-                })
-            }
-            Ok((mut parts, Captured::PassOn(body))) => {
-                // A retryable status: release, so a retry forwards again, then pass it on.
-                if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
-                }
-                clean_response_headers(&mut parts.headers);
-                Ok(Response::from_parts(parts, stream(body)))
-            }
-            Ok((mut parts, Captured::Whole(bytes))) => {
-                clean_response_headers(&mut parts.headers);
-                let stored = StoredResponse::capture(
-                    parts.status,
-                    &parts.headers,
-                    &idem.replay_headers,
-                    bytes.clone(),
-                );
-                self.settle(Outcome::Completed(stored), idem).await?;
-                tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
-                Ok(Response::from_parts(parts, full(bytes)))
-            }
-            Ok((mut parts, Captured::TooLarge { head, rest })) => {
-                self.settle(
-                    Outcome::NotReplayable {
-                        status: parts.status.as_u16(),
-                    },
-                    idem,
-                )
-                .await?;
-                clean_response_headers(&mut parts.headers);
-                let body = Prefixed {
-                    head: Some(head),
-                    rest,
-                };
-                Ok(Response::from_parts(parts, body.boxed_unsync()))
-            }
-        }
-    }
-
-    /// Records a final outcome before its answer is passed on. Enforcing, the answer depends
-    /// on it ([`record`](Self::record)); an observe route tries once and passes the answer on
-    /// whatever happens, since store trouble never blocks it (a key not recorded stays in
-    /// flight until its lease ends, so its duplicates count as `would_wait` meanwhile).
-    async fn settle(&self, outcome: Outcome, idem: &Idempotency) -> Result<(), GatewayError> {
-        if idem.mode == Mode::Enforce {
-            return self.record(outcome, idem.ttl).await.map(drop);
-        }
-        if let Err(e) = self.finish(outcome, idem.ttl).await {
-            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
-        }
-        Ok(())
-    }
-
-    /// Records a final outcome, retried a little while the lease lasts; the answer depends on
-    /// it (guarantee 3). A retry that could end after the lease is not started: past it,
-    /// another attempt may own the key.
-    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
-        let mut last = None;
-        let bound = self.routing.config.store.record_bound();
-        for attempt in 0..FINISH_ATTEMPTS {
-            if attempt > 0 && Instant::now() + bound >= self.lease_ends {
-                break;
-            }
-            match self.finish(outcome.clone(), ttl).await {
-                Ok(written) => return Ok(written),
-                Err(e) => {
-                    tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
-                    last = Some(e);
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                }
-            }
-        }
-        Err(GatewayError::StoreAfterForward(
-            last.expect("at least one attempt failed"),
-        ))
-    }
-
-    /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
-    /// our client still gets what the upstream said.
-    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
-        let written = self
-            .gateway
-            .store
-            .finish(&self.scope, &self.key, &self.token, outcome, ttl)
-            .await?;
-        if !written {
-            self.gateway.metrics.lease(&self.route, "lost");
-            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
-        }
-        Ok(written)
-    }
-}
-
-/// An upstream body, read as far as the store limit allows.
-enum Captured {
-    /// A retryable status: not read at all.
-    PassOn(Incoming),
-    /// The whole body, within the limit.
-    Whole(Bytes),
-    /// Over the limit: what was read, and the rest still streaming.
-    TooLarge { head: Bytes, rest: Incoming },
-}
-
-/// Reads an upstream body up to `limit`, counting what it holds in `held` on top of the
-/// request body already counted there.
-async fn read_capped(
-    mut body: Incoming,
-    limit: usize,
-    held: &mut crate::limits::Reservation,
-) -> Result<Captured, UpstreamError> {
-    use hyper::body::Body as _;
-    let base = held.bytes();
-    let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
-        if let Ok(data) = frame.into_data() {
-            buf.extend_from_slice(&data);
-            held.resize(base + buf.len());
-            if buf.len() > limit {
-                return Ok(Captured::TooLarge {
-                    head: buf.freeze(),
-                    rest: body,
-                });
-            }
-        }
-        if body.is_end_stream() {
-            break;
-        }
-    }
-    Ok(Captured::Whole(buf.freeze()))
-}
-
-/// A body that yields bytes already read, then the rest of an upstream body.
-struct Prefixed {
-    head: Option<Bytes>,
-    rest: Incoming,
-}
-
-impl hyper::body::Body for Prefixed {
-    type Data = Bytes;
-    type Error = crate::forward::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        if let Some(head) = self.head.take() {
-            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
-        }
-        std::pin::Pin::new(&mut self.rest)
-            .poll_frame(cx)
-            .map_err(|e| Box::new(e) as Self::Error)
     }
 }
 

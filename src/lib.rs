@@ -7,6 +7,8 @@
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: upstream slots and buffered bytes.
 //! - [`access`]: request ids and the access log line of each request.
+//! - [`body`]: request bodies read within their limit, responses captured for the store.
+//! - [`record`]: a claimed request's forward and its fenced, retried recording.
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay
 //!   (or, on an observe route, forward and count what enforcing would have done).
 //! - [`key`]: key and scope extraction and validation.
@@ -33,6 +35,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod body;
 pub mod cache;
 pub mod commands;
 pub mod config;
@@ -49,6 +52,7 @@ pub mod metrics;
 pub mod path;
 pub mod problem;
 pub mod process;
+pub mod record;
 pub mod replay;
 pub mod serialize;
 pub mod server;
