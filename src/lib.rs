@@ -15,9 +15,10 @@
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
 //! - [`cache`]: completed responses kept in memory so hot replays skip the store.
-//! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
-//! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
-//!   Postgres implementation with its SQL and migrations.
+//! - [`wait`]: the waiting loop for an in-flight key or a slot, and its backoff.
+//! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete), the
+//!   Postgres and embedded implementations with their SQL and migrations, and the wake-ups
+//!   the store owns (`store::wakeups`: subscriptions, announcements, shared lookups).
 //! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
 //! - [`forward`]: upstream clients (HTTP/1.1 or h2), header hygiene, timeouts.
 //! - [`tunnel`]: upgrades (WebSocket) on plain routes, spliced until either side closes.

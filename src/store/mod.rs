@@ -23,6 +23,7 @@ pub mod pg_listener;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+pub mod wakeups;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -32,7 +33,7 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use crate::wait::Wakeups;
+use wakeups::Wakeups;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

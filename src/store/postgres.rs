@@ -48,6 +48,7 @@ use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
     Store, StoreError,
@@ -56,7 +57,6 @@ use crate::config::{PgTlsMode, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use crate::wait::{Wakeups, key_id, slot_id};
 
 /// Migrations in order; each runs once, all in one transaction under an advisory lock.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -144,7 +144,7 @@ SELECT k.state, NULL, k.attempts, k.fingerprint, k.status, k.headers, k.body,
  WHERE k.scope = $1 AND k.key = $2
    AND NOT EXISTS (SELECT 1 FROM claimed)";
 
-/// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
+/// The channel on which finished keys are announced; the payload is [`super::wakeups::key_id`].
 pub const CHANNEL: &str = "idemgate_keys";
 
 /// The completion of a claimed attempt, fenced by its lease token.
