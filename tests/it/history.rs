@@ -463,6 +463,7 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
         .map(|rows| rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         .unwrap_or_default();
     drop(gws);
+    drop_database(&db).await;
     let result = check(&events, &history, &executions, &logs, &scopes).map(|mut s| {
         s.took = begun.elapsed();
         s
@@ -489,6 +490,20 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
         msg
     });
     (cluster, result)
+}
+
+/// Drops a seed's database once its history is read, so a long soak does not fill the disk.
+async fn drop_database(db: &str) {
+    let Some((base, name)) = db.rsplit_once('/') else {
+        return;
+    };
+    let admin = sql(&format!("{base}/postgres")).await;
+    if let Err(e) = admin
+        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .await
+    {
+        println!("could not drop {name}: {e}");
+    }
 }
 
 /// The four checks; on failure, the violations and the events involved.
