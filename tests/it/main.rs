@@ -13,6 +13,7 @@ mod embedded_store;
 mod flow;
 mod guarantees;
 mod health;
+mod history;
 mod holes;
 mod hostile_clients;
 mod instances;
