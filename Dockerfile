@@ -46,13 +46,15 @@ COPY --from=build /src/target/release/idemgate /usr/local/bin/idemgate
 USER 10001:10001
 WORKDIR /var/lib/idemgate
 EXPOSE 8080 9090
-# Healthy while /readyz answers 200 (the store answers, the migrations are applied), asked by
+# Healthy while /readyz answers 200 (the store has answered and been migrated since start; a
+# later store outage stays 200, "degraded"; docs/operations.md, Probes), asked by
 # the binary itself (the image has no curl) on admin.listen of the config CMD serves. A
 # config without `admin`, or mounted elsewhere, needs its own HEALTHCHECK (or none:
 # `docker run --no-healthcheck`, `healthcheck: { disable: true }` in compose).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
   CMD ["/usr/local/bin/idemgate", "health", "--config", "/etc/idemgate/gateway.yaml", "--timeout", "2s"]
-# SIGTERM drains in-flight requests for server.shutdown_grace; SIGHUP reloads the config.
+# SIGTERM: /readyz fails, serving goes on for server.drain_delay, then in-flight requests get
+# server.shutdown_grace (`docker stop -t` must cover both); SIGHUP reloads the config.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/idemgate"]
 CMD ["serve", "--config", "/etc/idemgate/gateway.yaml"]

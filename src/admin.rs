@@ -4,7 +4,10 @@
 //! - `GET /metrics`: OpenMetrics when asked for, else the Prometheus text format (see
 //!   `metrics.rs`).
 //! - `GET /healthz`: 200 while the process serves.
-//! - `GET /readyz`: 200 when the store answers and its migrations are applied, else 503.
+//! - `GET /readyz`: whether a load balancer should send this instance traffic (see
+//!   [`readyz`]): 503 while draining (SPEC 8.3), until the store has been ready once, and
+//!   while the store refuses to keep commits (SPEC 8.4); 200 otherwise, also during a store
+//!   outage once the store has been ready, with the trouble in the body.
 //! - `GET /v1/keys?scope=S&key=K[&route=R]`: the row as JSON (404 when absent). `S` is the
 //!   scope value the client sent; `R` chooses among routes whose scopes share that value
 //!   (400 when it is ambiguous without it; see `keys.rs`).
@@ -140,13 +143,7 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
             r
         }
         (&Method::GET, "/healthz") => json(StatusCode::OK, serde_json::json!({"status": "ok"})),
-        (&Method::GET, "/readyz") => match store.ready().await {
-            Ok(()) => json(StatusCode::OK, serde_json::json!({"status": "ready"})),
-            Err(e) => json(
-                StatusCode::SERVICE_UNAVAILABLE,
-                serde_json::json!({"status": "not ready", "reason": e.to_string()}),
-            ),
-        },
+        (&Method::GET, "/readyz") => readyz(gateway).await,
         (m, "/v1/keys") if m == Method::GET || m == Method::DELETE => {
             let config = gateway.config();
             let token = config.admin.as_ref().and_then(|a| a.token.as_deref());
@@ -197,6 +194,61 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
             serde_json::json!({"error": "not found"}),
         ),
     }
+}
+
+/// The longest `/readyz` waits for the store: a store slower than this counts as
+/// unreachable, and the probe is answered before a kubelet's default timeout (1s) passes.
+const READY_CHECK_BOUND: std::time::Duration = std::time::Duration::from_millis(800);
+
+/// `GET /readyz`. Readiness decides whether this instance gets traffic, so it fails only
+/// when another instance would serve better:
+///
+/// - draining (SIGTERM received): 503 `{"status":"draining"}`, so the load balancer stops
+///   sending while the listener still serves for `server.drain_delay`;
+/// - the store has never been ready in this process (starting, a wrong URL, the database
+///   down since start, migrations not applied): 503 `not ready`, so a rollout does not
+///   replace working instances with ones that cannot reach their store;
+/// - the store answers but may lose commits (`synchronous_commit = off` without
+///   `allow_async_commit`, SPEC 8.4): 503 `not ready`, always: that is a configuration error,
+///   not an outage;
+/// - the store was ready before and does not answer now: 200 `{"status":"degraded"}` with
+///   the reason. The outage is shared by every instance on that database, so failing
+///   readiness would pull all of them out at once and turn 503 `store-unavailable` (with
+///   `Retry-After`) on keyed routes into connection errors on every route, plain and
+///   `pass_through` ones included: the gateway would become the outage of the service
+///   behind it. `idemgate_requests_total{outcome="store_unavailable"|"bypassed"}` alerts
+///   on it instead.
+async fn readyz(gateway: &Gateway) -> Response<Body> {
+    use crate::store::StoreError;
+    let readiness = gateway.readiness();
+    if readiness.draining() {
+        return json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            serde_json::json!({"status": "draining"}),
+        );
+    }
+    let checked = tokio::time::timeout(READY_CHECK_BOUND, gateway.store().ready())
+        .await
+        .unwrap_or(Err(StoreError::Timeout));
+    match checked {
+        Ok(()) => {
+            readiness.store_ready();
+            json(StatusCode::OK, serde_json::json!({"status": "ready"}))
+        }
+        Err(e @ StoreError::NotDurable(_)) => not_ready(&e),
+        Err(e) if readiness.store_was_ready() => json(
+            StatusCode::OK,
+            serde_json::json!({"status": "degraded", "store": "unavailable", "reason": e.to_string()}),
+        ),
+        Err(e) => not_ready(&e),
+    }
+}
+
+fn not_ready(e: &crate::store::StoreError) -> Response<Body> {
+    json(
+        StatusCode::SERVICE_UNAVAILABLE,
+        serde_json::json!({"status": "not ready", "reason": e.to_string()}),
+    )
 }
 
 /// An operator's lookup that found no single key, as an answer.

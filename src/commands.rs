@@ -67,15 +67,19 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     // crash-looping. A store that answers but may lose commits (SPEC 8.4) is a configuration
     // error, not an outage: refuse to start, or stop once it is found.
     let (refused_tx, refused_rx) = tokio::sync::oneshot::channel::<StoreError>();
-    match prepare_store(store.as_ref()).await {
-        Ok(()) => tracing::info!("migrations applied"),
+    let prepared = match prepare_store(store.as_ref()).await {
+        Ok(()) => {
+            tracing::info!("migrations applied");
+            true
+        }
         Err(e @ StoreError::NotDurable(_)) => return Err(e.into()),
         Err(e) => {
             tracing::warn!(error = %e, "cannot check the store or apply migrations yet; serving and retrying in the background");
-            tokio::spawn(prepare_until_done(Arc::clone(&store), refused_tx));
+            false
         }
-    }
+    };
     store.start_background();
+    let signals = crate::server::Signals::install();
     let listener = TcpListener::bind(config.listen).await?;
     let admin = match &config.admin {
         Some(a) => Some(TcpListener::bind(a.listen).await?),
@@ -89,6 +93,15 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
         println!("idemgate: admin on {}", admin.local_addr()?);
     }
     let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
+    if prepared {
+        gateway.readiness().store_ready();
+    } else {
+        tokio::spawn(prepare_until_done(
+            Arc::clone(&store),
+            Arc::clone(&gateway),
+            refused_tx,
+        ));
+    }
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     if let Some(admin) = admin {
         tracing::info!(listen = %admin.local_addr()?, "admin API serving");
@@ -106,11 +119,16 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     let refused = Arc::new(std::sync::Mutex::new(None));
     let shutdown = {
         let refused = Arc::clone(&refused);
+        let gateway = Arc::clone(&gateway);
+        let drain_delay = config.server.drain_delay;
         async move {
             tokio::select! {
-                () = crate::server::shutdown_signal() => {}
+                // /readyz fails at once; the listener keeps serving for drain_delay.
+                () = crate::server::drain_on_signal(signals, &gateway, drain_delay) => {}
                 // Only sent on a refusal; a sender dropped after success disables this arm.
+                // A database that may lose commits is left at once, without the delay.
                 Ok(e) = refused_rx => {
+                    gateway.readiness().start_draining();
                     *refused.lock().expect("refusal lock") = Some(e);
                 }
             }
@@ -163,10 +181,12 @@ async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>) {
     }
 }
 
-/// Retries [`prepare_store`] with backoff (100 ms doubling to 5 s) until it succeeds; a
-/// store found not to keep its commits is sent on `refused` (which stops `serve`) instead.
+/// Retries [`prepare_store`] with backoff (100 ms doubling to 5 s) until it succeeds (then
+/// the gateway's store counts as ready); a store found not to keep its commits is sent on
+/// `refused` (which stops `serve`) instead.
 async fn prepare_until_done(
     store: Arc<dyn Store>,
+    gateway: Arc<Gateway>,
     refused: tokio::sync::oneshot::Sender<StoreError>,
 ) {
     let mut pause = std::time::Duration::from_millis(100);
@@ -175,6 +195,7 @@ async fn prepare_until_done(
         match prepare_store(store.as_ref()).await {
             Ok(()) => {
                 tracing::info!("migrations applied; the store is ready");
+                gateway.readiness().store_ready();
                 return;
             }
             Err(e @ StoreError::NotDurable(_)) => {
@@ -263,9 +284,21 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
     };
     out.push_str(&store);
     out.push('\n');
+    out.push_str(&format!(
+        "server shutdown: drain_delay {} then shutdown_grace {}\n",
+        fmt_duration(config.server.drain_delay),
+        fmt_duration(config.server.shutdown_grace)
+    ));
     for (name, up) in &config.upstreams {
+        let mut extra = String::new();
+        if up.http2 {
+            extra.push_str(", http2");
+        }
+        if up.preserve_host {
+            extra.push_str(", preserve_host");
+        }
         out.push_str(&format!(
-            "upstream {name}: {} (connect {}, timeout {})\n",
+            "upstream {name}: {} (connect {}, timeout {}{extra})\n",
             up.url,
             fmt_duration(up.connect_timeout),
             fmt_duration(up.timeout)
@@ -304,7 +337,8 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
                 };
                 let methods: Vec<&str> = idem.methods.iter().map(|m| m.as_str()).collect();
                 out.push_str(&format!(
-                    "  idempotency: methods {} key [{}]{} scope {scope}\n  ttl {} lease {} in_flight {:?} wait {} unknown {:?} store_error {:?}\n",
+                    "  idempotency: mode {} methods {} key [{}]{} scope {scope}\n  ttl {} lease {} in_flight {:?} wait {} unknown {:?} store_error {:?}\n",
+                    idem.mode.as_str(),
                     methods.join(","),
                     keys.join(", "),
                     if idem.required { " required" } else { "" },
@@ -415,26 +449,37 @@ pub async fn health(target: &HealthTarget, timeout: std::time::Duration) -> Resu
             fmt_duration(timeout)
         )),
         Ok(Err(e)) => Err(format!("{url}: {e}")),
-        Ok(Ok((status, _))) if status == http::StatusCode::OK => {
-            Ok(format!("ready: {url} answered 200"))
+        Ok(Ok((status, body))) if status == http::StatusCode::OK => {
+            // Ready through a store outage (see admin.rs): say so, and still exit 0.
+            match body_field(&body, "status").as_deref() {
+                Some("degraded") => Ok(format!(
+                    "ready (degraded: {}): {url} answered 200",
+                    body_field(&body, "reason").unwrap_or_default()
+                )),
+                _ => Ok(format!("ready: {url} answered 200")),
+            }
         }
         Ok(Ok((status, body))) => {
-            // /readyz says why in its JSON body; keep the line one line and short.
-            let reason = serde_json::from_slice::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_string))
-                .map(|r| {
-                    let r: String = r
-                        .chars()
-                        .map(|c| if c.is_control() { ' ' } else { c })
-                        .take(300)
-                        .collect();
-                    format!(": {r}")
-                })
+            // /readyz says why in its JSON body.
+            let reason = body_field(&body, "reason")
+                .or_else(|| body_field(&body, "status"))
+                .map(|r| format!(": {r}"))
                 .unwrap_or_default();
             Err(format!("{url} answered {status}{reason}"))
         }
     }
+}
+
+/// A string field of a `/readyz` JSON body, on one short line.
+fn body_field(body: &[u8], name: &str) -> Option<String> {
+    let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+    let text = value.get(name)?.as_str()?;
+    Some(
+        text.chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .take(300)
+            .collect(),
+    )
 }
 
 /// Where to reach a listener from the same host: an unspecified address (`0.0.0.0`, `::`)

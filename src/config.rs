@@ -96,6 +96,7 @@ struct RawServer {
     header_read_timeout: Option<String>,
     body_read_timeout: Option<String>,
     shutdown_grace: Option<String>,
+    drain_delay: Option<String>,
     max_buffered_bytes: Option<RawSize>,
     worker_threads: Option<usize>,
     tls: Option<RawServerTls>,
@@ -165,6 +166,8 @@ struct RawUpstream {
     timeout: Option<String>,
     max_in_flight: Option<usize>,
     tls: Option<RawCaOnly>,
+    http2: Option<bool>,
+    preserve_host: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -188,6 +191,7 @@ struct RawMatch {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawIdempotency {
+    mode: Option<Mode>,
     key: Option<Vec<RawKeySource>>,
     scope: Option<RawScope>,
     required: Option<bool>,
@@ -260,7 +264,7 @@ enum RawSize {
 // ---------------------------------------------------------------------------------------------
 
 /// The whole validated configuration.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub listen: SocketAddr,
     pub admin: Option<AdminConfig>,
@@ -276,7 +280,7 @@ pub struct Config {
     pub routes: Vec<Route>,
 }
 
-#[derive(Clone)]
+#[derive(Clone, PartialEq)]
 pub struct AdminConfig {
     pub listen: SocketAddr,
     /// Bearer token for the key API; never printed (see the Debug impl).
@@ -292,7 +296,7 @@ impl std::fmt::Debug for AdminConfig {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
     /// Connections served at once; further ones wait in the listen backlog.
     pub max_connections: usize,
@@ -302,8 +306,13 @@ pub struct ServerConfig {
     pub header_read_timeout: Duration,
     /// Time a client has to send a keyed request's whole body (it is read before the claim).
     pub body_read_timeout: Duration,
-    /// Time in-flight requests get to finish after SIGTERM/SIGINT.
+    /// Time in-flight requests get to finish after SIGTERM/SIGINT, once the listener has
+    /// stopped accepting.
     pub shutdown_grace: Duration,
+    /// After SIGTERM/SIGINT, how long `/readyz` answers 503 while the listener still
+    /// accepts and serves (SPEC 8.3), so load balancers stop sending before it closes. Zero
+    /// (the default) closes the listener at once.
+    pub drain_delay: Duration,
     /// Request bodies and captured responses held in memory at once, across all requests
     /// (SPEC 8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
@@ -344,13 +353,13 @@ pub enum Pooler {
 }
 
 /// Collection of expired rows: one instance at a time, in small batches.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GcConfig {
     pub interval: Duration,
     pub batch_size: usize,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum StoreConfig {
     Postgres(PostgresConfig),
     Sqlite(SqliteConfig),
@@ -368,14 +377,14 @@ impl StoreConfig {
 }
 
 /// The embedded store: one SQLite file, one gateway instance.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SqliteConfig {
     pub path: std::path::PathBuf,
     /// How long a statement waits for SQLite's write lock.
     pub busy_timeout: Duration,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone, PartialEq)]
 pub struct PostgresConfig {
     pub url: String,
     /// The direct session that LISTENs for wake-ups (SPEC 8.4); `url` when not given.
@@ -390,7 +399,7 @@ pub struct PostgresConfig {
     /// Server-side `statement_timeout`, also enforced on the client side.
     pub statement_timeout: Duration,
     pub tls: PgTlsMode,
-    /// CA file for `verify-full` (the system bundle without one).
+    /// CA file for `verify-full` (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
     /// Accept a database whose `synchronous_commit` is `off` (SPEC 8.4). Such a database
     /// can lose a commit that a client was already answered from (guarantee 3), so `serve`
@@ -398,7 +407,23 @@ pub struct PostgresConfig {
     pub allow_async_commit: bool,
 }
 
-#[derive(Debug, Clone)]
+/// The URL may hold a password: it is never printed.
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &"<redacted>")
+            .field("pool_size", &self.pool_size)
+            .field("acquire_timeout", &self.acquire_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("tls", &self.tls)
+            .field("tls_ca", &self.tls_ca)
+            .field("allow_async_commit", &self.allow_async_commit)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct UpstreamConfig {
     pub name: String,
     /// Base URI: scheme and authority, with an optional path prefix (no trailing slash).
@@ -409,11 +434,19 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// Requests being forwarded to this upstream at once, detached work included (SPEC 8.2).
     pub max_in_flight: usize,
-    /// CA file that verifies an `https` upstream (the system bundle without one).
+    /// CA file that verifies an `https` upstream (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
+    /// Speak HTTP/2 to it: h2c with prior knowledge for `http://`, and `h2` offered before
+    /// `http/1.1` by ALPN for `https://` (the upstream picks). Off, only HTTP/1.1 is spoken,
+    /// which is what a legacy service is sure to understand.
+    pub http2: bool,
+    /// Send the client's `Host` (HTTP/1.1 `Host`, h2 `:authority`) instead of the upstream's
+    /// authority, for virtual hosts and absolute links. The connection still goes to `url`,
+    /// and an `https` upstream is still verified under the name in `url`.
+    pub preserve_host: bool,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Route {
     pub name: String,
     pub path: PathMatch,
@@ -488,6 +521,29 @@ pub enum ScopeSource {
     Fixed(String),
 }
 
+/// Whether a keyed route enforces idempotency or only observes what enforcing would do
+/// (SPEC 8.3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Replay, wait, refuse mismatches and store trouble, as SPEC section 2 says.
+    #[default]
+    Enforce,
+    /// Claim, fingerprint and record as `Enforce` does, but always forward: what enforcing
+    /// would have done is counted (`idemgate_observed_total`) and logged, never done.
+    Observe,
+}
+
+impl Mode {
+    /// The name the config uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Observe => "observe",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum InFlight {
@@ -509,7 +565,7 @@ pub enum OnStoreError {
     PassThrough,
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct FingerprintConfig {
     /// Request headers that take part in the fingerprint, in this order.
     pub headers: Vec<HeaderName>,
@@ -520,7 +576,7 @@ pub struct FingerprintConfig {
 }
 
 /// Statuses that release the claim instead of being stored: ranges, inclusive.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StatusSet(Vec<(u16, u16)>);
 
 impl StatusSet {
@@ -529,8 +585,10 @@ impl StatusSet {
     }
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Idempotency {
+    /// `enforce` (the default) or `observe` (a shadow rollout).
+    pub mode: Mode,
     pub key: Vec<KeySource>,
     pub scope: ScopeSource,
     pub required: bool,
@@ -579,6 +637,7 @@ pub mod defaults {
     pub const MAX_HEADER_BYTES: usize = 64 * 1024;
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
     pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+    pub const DRAIN_DELAY: Duration = Duration::ZERO;
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
     pub const MAX_BUFFERED_BYTES: usize = 256 * 1024 * 1024;
     pub const UPSTREAM_MAX_IN_FLIGHT: usize = 1024;
@@ -828,6 +887,18 @@ fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Dura
     }
 }
 
+/// As [`duration_or`], but zero is allowed (`0s` switches the delay off).
+fn duration_or_zero(
+    path: &str,
+    v: Option<&String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => parse_duration(s).map_err(|m| invalid(path, m)),
+    }
+}
+
 fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
     match v {
         None => Ok(default),
@@ -949,6 +1020,11 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
             raw.server.shutdown_grace.as_ref(),
             defaults::SHUTDOWN_GRACE,
         )?,
+        drain_delay: duration_or_zero(
+            "server.drain_delay",
+            raw.server.drain_delay.as_ref(),
+            defaults::DRAIN_DELAY,
+        )?,
         max_buffered_bytes: size_or(
             "server.max_buffered_bytes",
             raw.server.max_buffered_bytes.as_ref(),
@@ -1022,6 +1098,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                         }
                         crate::tls::roots(Some(ca))
                             .map_err(|m| invalid("store.postgres.tls.ca", m))?;
+                    } else if mode == PgTlsMode::VerifyFull {
+                        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
                     }
                     (mode, ca)
                 }
@@ -1126,6 +1204,10 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 Some(ca)
             }
         };
+        if https && tls_ca.is_none() {
+            // Without a CA file the platform's roots verify it: there must be some.
+            crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+        }
         if url.authority().is_none() {
             return Err(invalid(format!("{base}.url"), "has no host"));
         }
@@ -1171,6 +1253,8 @@ fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 timeout,
                 max_in_flight,
                 tls_ca,
+                http2: up.http2.unwrap_or(false),
+                preserve_host: up.preserve_host.unwrap_or(false),
             },
         );
     }
@@ -1458,6 +1542,12 @@ fn validate_idempotency(
                         format!("'{h}' is a hop-by-hop header and is never stored"),
                     ));
                 }
+                if name == http::header::TRAILER {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' announces trailers, and trailers are never stored"),
+                    ));
+                }
                 Ok(name)
             })
             .collect::<Result<_, _>>()?,
@@ -1474,6 +1564,7 @@ fn validate_idempotency(
         defaults::MAX_STORED_RESPONSE,
     )?;
     Ok(Idempotency {
+        mode: raw.mode.unwrap_or_default(),
         key,
         scope,
         required: raw.required.unwrap_or(false),
@@ -1595,6 +1686,27 @@ routes:
     }
 
     #[test]
+    fn the_database_url_never_reaches_debug_output() {
+        let c = Config::from_yaml(&MINIMAL.replace(
+            "postgres://u@localhost/db",
+            "postgres://u:hunter2@localhost/db",
+        ))
+        .unwrap();
+        let text = format!("{c:?}");
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("<redacted>"));
+    }
+
+    #[test]
+    fn reload_decisions_compare_values() {
+        let a = Config::from_yaml(MINIMAL).unwrap();
+        let b = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(a, b);
+        let c = Config::from_yaml(&MINIMAL.replace("timeout: 30s", "timeout: 29s")).unwrap();
+        assert_ne!(a.upstreams, c.upstreams);
+    }
+
+    #[test]
     fn unknown_fields_name_their_path() {
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { leese: 30s }");
         let e = err(&yaml);
@@ -1712,6 +1824,38 @@ routes:
         assert!(s.contains(409) && s.contains(501) && !s.contains(503) && !s.contains(500 - 1));
         let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { retry_statuses: [600] }");
         assert!(err(&yaml).contains("routes[0].idempotency.retry_statuses[0]: 600"));
+    }
+
+    #[test]
+    fn mode_is_enforce_unless_the_route_says_observe() {
+        let mode = |yaml: &str| {
+            Config::from_yaml(yaml).unwrap().routes[0]
+                .idempotency
+                .as_ref()
+                .unwrap()
+                .mode
+        };
+        assert_eq!(mode(MINIMAL), Mode::Enforce);
+        let observe = MINIMAL.replace("idempotency: {}", "idempotency: { mode: observe }");
+        assert_eq!(mode(&observe), Mode::Observe);
+        let bad = MINIMAL.replace("idempotency: {}", "idempotency: { mode: shadow }");
+        let e = err(&bad);
+        assert!(
+            e.starts_with("routes[0].idempotency.mode: unknown variant `shadow`, expected `enforce` or `observe`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn drain_delay_defaults_to_zero_and_may_be_zero() {
+        let delay = |yaml: &str| Config::from_yaml(yaml).unwrap().server.drain_delay;
+        assert_eq!(delay(MINIMAL), Duration::ZERO);
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: 10s }}\n");
+        assert_eq!(delay(&yaml), Duration::from_secs(10));
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: 0s }}\n");
+        assert_eq!(delay(&yaml), Duration::ZERO);
+        let yaml = format!("{MINIMAL}server: {{ drain_delay: soon }}\n");
+        assert!(err(&yaml).starts_with("server.drain_delay: "));
     }
 
     #[test]

@@ -16,7 +16,6 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::config::FingerprintConfig;
-use crate::problem::GatewayError;
 
 /// A SHA-256 digest.
 pub type Fingerprint = [u8; 32];
@@ -42,6 +41,13 @@ fn part(h: &mut Sha256, bytes: &[u8]) {
     h.update(bytes);
 }
 
+/// Why a request cannot be fingerprinted: `json_canonical` on a body that is not JSON.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FingerprintError {
+    #[error("body is not JSON")]
+    NotJson,
+}
+
 /// The fingerprint of one request. `json` is the parsed body when the route needs it.
 pub fn fingerprint(
     cfg: &FingerprintConfig,
@@ -51,7 +57,7 @@ pub fn fingerprint(
     headers: &HeaderMap,
     body: &[u8],
     json: Option<&Value>,
-) -> Result<Fingerprint, GatewayError> {
+) -> Result<Fingerprint, FingerprintError> {
     let mut h = Sha256::new();
     part(&mut h, method.as_str().as_bytes());
     part(&mut h, route.as_bytes());
@@ -69,7 +75,7 @@ pub fn fingerprint(
         part(&mut h, name.as_str().as_bytes());
     }
     if cfg.json_canonical {
-        let json = json.ok_or(GatewayError::BodyNotJson)?;
+        let json = json.ok_or(FingerprintError::NotJson)?;
         // Streamed into the hash (no buffer, no copy of the document); the length goes after
         // the bytes instead of before them, which is as unambiguous for the last part.
         let ignore: Vec<Vec<Cow<'_, str>>> = cfg.json_ignore.iter().map(|p| tokens(p)).collect();

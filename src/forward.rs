@@ -2,13 +2,23 @@
 //!
 //! Outbound requests lose their hop-by-hop headers (RFC 9110 section 7.6.1: the fixed list
 //! and every header named in `Connection`) and their `Host` (the client sets the upstream's
-//! authority), and gain `X-Forwarded-For/-Proto/-Host`. Responses lose their hop-by-hop
-//! headers on the way back. Failures are classified by what they mean for the key:
-//! [`UpstreamError::Connect`] means the request never left (safe to release),
-//! [`UpstreamError::Timeout`] and [`UpstreamError::Failed`] mean it may have been processed.
+//! authority, or with `preserve_host` the client's), and gain `X-Forwarded-For/-Proto/-Host`
+//! and a standard `Forwarded` element (RFC 7239). `TE: trailers` is the one hop-by-hop
+//! value kept: the gateway passes trailers on, so it may say so (RFC 9110 section 10.1.4;
+//! gRPC requires it). Responses lose their hop-by-hop headers on the way back. An upgrade
+//! (`tunnel.rs`) puts its own `Connection`/`Upgrade` back.
+//!
+//! Each upstream speaks HTTP/1.1, or with `http2: true` HTTP/2 (h2c by prior knowledge for
+//! `http://`, ALPN `h2` then `http/1.1` for `https://`). Its connections always go to its
+//! configured `url` ([`Pinned`]), whatever authority a request names.
+//!
+//! Failures are classified by what they mean for the key: [`UpstreamError::Connect`] means
+//! the request never left (safe to release), [`UpstreamError::Timeout`] and
+//! [`UpstreamError::Failed`] mean it may have been processed.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -42,15 +52,16 @@ pub fn stream(body: Incoming) -> Body {
 }
 
 /// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
-/// Pre-parsed, so stripping them costs no header-name parsing per request.
-const HOP_BY_HOP: [HeaderName; 9] = [
+/// Pre-parsed, so stripping them costs no header-name parsing per request. `Trailer` is not
+/// one (it is end-to-end, RFC 9110 section 6.6.2): an HTTP/1.1 client needs it to be sent
+/// the trailers it announces.
+const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
     header::PROXY_AUTHENTICATE,
     header::PROXY_AUTHORIZATION,
     header::TE,
-    header::TRAILER,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
 ];
@@ -58,6 +69,7 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name)
@@ -103,7 +115,7 @@ pub struct Upstreams {
 
 pub struct UpstreamClient {
     pub config: UpstreamConfig,
-    client: Client<HttpsConnector<HttpConnector>, Body>,
+    client: Client<Pinned, Body>,
     /// `max_in_flight`: shared with the clients a reload builds for the same upstream name.
     pub limit: std::sync::Arc<crate::limits::UpstreamLimit>,
 }
@@ -122,10 +134,11 @@ impl Upstreams {
                 connector.set_connect_timeout(Some(cfg.connect_timeout));
                 connector.set_nodelay(true);
                 connector.enforce_http(false);
-                // The CA file was loaded once at validation; if it cannot be read now, fail
-                // closed: no roots, so every https request to this upstream is refused (502).
+                // The CA file (or the platform's roots) was loaded once at validation; if it
+                // cannot be read now, fail closed: no roots, so every https request to this
+                // upstream is refused (502).
                 let tls = crate::tls::client_config(cfg.tls_ca.as_deref()).unwrap_or_else(|e| {
-                    tracing::error!(upstream = %cfg.name, error = %e, "cannot load the upstream's CA; its https requests will fail");
+                    tracing::error!(upstream = %cfg.name, error = %e, "cannot load the upstream's trusted roots; its https requests will fail");
                     rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
                         rustls::crypto::ring::default_provider(),
                     ))
@@ -134,14 +147,25 @@ impl Upstreams {
                     .with_root_certificates(rustls::RootCertStore::empty())
                     .with_no_client_auth()
                 });
-                let connector = hyper_rustls::HttpsConnectorBuilder::new()
+                let builder = hyper_rustls::HttpsConnectorBuilder::new()
                     .with_tls_config(tls)
                     .https_or_http()
-                    .enable_http1()
-                    .wrap_connector(connector);
+                    .enable_http1();
+                // With `http2`, ALPN offers h2 then http/1.1 and the client follows what was
+                // negotiated; in clear there is no negotiation, so h2 by prior knowledge.
+                let connector = if cfg.http2 {
+                    builder.enable_http2().wrap_connector(connector)
+                } else {
+                    builder.wrap_connector(connector)
+                };
+                let h2c = cfg.http2 && cfg.url.scheme() == Some(&http::uri::Scheme::HTTP);
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(Duration::from_secs(60))
-                    .build(connector);
+                    .http2_only(h2c)
+                    .build(Pinned {
+                        inner: connector,
+                        to: origin(&cfg.url),
+                    });
                 (
                     cfg.name.clone(),
                     UpstreamClient {
@@ -160,6 +184,40 @@ impl Upstreams {
     }
 }
 
+/// The scheme and authority of an upstream's URL, without its path prefix.
+fn origin(url: &Uri) -> Uri {
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = url.scheme().cloned();
+    parts.authority = url.authority().cloned();
+    parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+    Uri::from_parts(parts).unwrap_or_else(|_| url.clone())
+}
+
+/// A connector that always connects to its upstream's configured origin, whatever authority
+/// the request names. With `preserve_host` a request's URI carries the client's `Host` (so
+/// it becomes HTTP/1.1's `Host` and h2's `:authority`), but the connection, its TLS server
+/// name and certificate check stay those of the upstream's `url`. Requests naming different
+/// hosts get their own pooled connections (the pool is keyed by URI authority), all to it.
+#[derive(Clone)]
+struct Pinned {
+    inner: HttpsConnector<HttpConnector>,
+    to: Uri,
+}
+
+impl tower_service::Service<Uri> for Pinned {
+    type Response = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Response;
+    type Error = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Error;
+    type Future = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, _requested: Uri) -> Self::Future {
+        self.inner.call(self.to.clone())
+    }
+}
+
 /// What the gateway knows about the client side of a request (one per connection).
 #[derive(Debug, Clone)]
 pub struct ClientInfo {
@@ -167,14 +225,79 @@ pub struct ClientInfo {
     pub tls: bool,
     /// The client's IP as a header value, made once per connection, not per request.
     ip: HeaderValue,
+    /// `for=<ip>;proto=<scheme>` of this connection's `Forwarded` element, made once.
+    forwarded: std::sync::Arc<str>,
 }
 
 impl ClientInfo {
     pub fn new(addr: SocketAddr, tls: bool) -> ClientInfo {
         let ip = HeaderValue::from_str(&addr.ip().to_string())
             .expect("an IP address is a valid header value");
-        ClientInfo { addr, tls, ip }
+        // RFC 7239 section 6: an IPv6 address is bracketed, and then must be quoted.
+        let node = match addr.ip().to_canonical() {
+            IpAddr::V4(v4) => v4.to_string(),
+            IpAddr::V6(v6) => format!("\"[{v6}]\""),
+        };
+        let proto = if tls { "https" } else { "http" };
+        let forwarded = format!("for={node};proto={proto}").into();
+        ClientInfo {
+            addr,
+            tls,
+            ip,
+            forwarded,
+        }
     }
+}
+
+/// This hop's `Forwarded` element (RFC 7239 section 4): the client's address, the scheme it
+/// used, and the host it asked for when that is known and printable.
+fn forwarded_element(client: &ClientInfo, host: Option<&HeaderValue>) -> String {
+    let mut element = client.forwarded.to_string();
+    if let Some(host) = host.and_then(|h| h.to_str().ok()) {
+        element.push_str(";host=");
+        push_token_or_quoted(&mut element, host);
+    }
+    element
+}
+
+/// A parameter value as a token when it is one, else as a quoted-string (RFC 9110 section
+/// 5.6.4, which RFC 7239 section 4 uses): a host with a port has a `:`, which is not a token
+/// character.
+fn push_token_or_quoted(out: &mut String, value: &str) {
+    let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
+    if !value.is_empty() && value.bytes().all(tchar) {
+        out.push_str(value);
+        return;
+    }
+    out.push('"');
+    for c in value.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+}
+
+/// Several lines of one list header as one value (RFC 9110 section 5.3), with `last` added.
+fn append_to_list(headers: &HeaderMap, name: &HeaderName, last: &str) -> Option<HeaderValue> {
+    let mut all: Vec<&str> = headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    all.push(last);
+    HeaderValue::from_str(&all.join(", ")).ok()
+}
+
+/// Whether a `TE` header asks for trailers (`TE: trailers`, maybe among codings).
+fn accepts_trailers(headers: &HeaderMap) -> bool {
+    headers
+        .get_all(header::TE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("trailers"))
 }
 
 impl UpstreamClient {
@@ -187,26 +310,35 @@ impl UpstreamClient {
         client: &ClientInfo,
         forward_key: Option<(&HeaderName, &str)>,
     ) -> Request<Body> {
-        let uri = self.upstream_uri(&parts.uri);
-
+        // The host the client asked for: its `Host`, or an h2 request's `:authority`.
         let host = parts.headers.get(header::HOST).cloned().or_else(|| {
             parts
                 .uri
                 .authority()
                 .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
         });
+        // With `preserve_host` it is the authority sent on (a `Host` that is not a valid
+        // authority cannot be, and the upstream's is sent instead).
+        let authority = host
+            .as_ref()
+            .filter(|_| self.config.preserve_host)
+            .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
+        let uri = self.upstream_uri(&parts.uri, authority);
+
         let headers = &mut parts.headers;
+        let trailers = accepts_trailers(headers);
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
+        if trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         // Several X-Forwarded-For lines are one list (RFC 9110 section 5.3): keep them all.
         let xff = if headers.contains_key(&X_FORWARDED_FOR) {
-            let mut all: Vec<&str> = headers
-                .get_all(&X_FORWARDED_FOR)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .collect();
-            all.push(client.ip.to_str().unwrap_or_default());
-            HeaderValue::from_str(&all.join(", ")).ok()
+            append_to_list(
+                headers,
+                &X_FORWARDED_FOR,
+                client.ip.to_str().unwrap_or_default(),
+            )
         } else {
             Some(client.ip.clone())
         };
@@ -217,6 +349,14 @@ impl UpstreamClient {
             X_FORWARDED_PROTO,
             HeaderValue::from_static(if client.tls { "https" } else { "http" }),
         );
+        // `Forwarded` is a list too: earlier proxies' elements first, this hop's last.
+        if let Some(v) = append_to_list(
+            headers,
+            &FORWARDED,
+            &forwarded_element(client, host.as_ref()),
+        ) {
+            headers.insert(FORWARDED, v);
+        }
         if let Some(host) = host {
             headers.insert(X_FORWARDED_HOST, host);
         }
@@ -226,14 +366,22 @@ impl UpstreamClient {
             headers.insert(name.clone(), v);
         }
         parts.uri = uri;
-        parts.version = Version::HTTP_11;
+        // The client's version says nothing about the upstream's. Marked HTTP/1.1, a request
+        // may go on a pooled connection of either version (for https, ALPN decides); marked
+        // HTTP/2 it would be refused on an HTTP/1.1 one. h2c is HTTP/2 by configuration.
+        parts.version =
+            if self.config.http2 && self.config.url.scheme() == Some(&http::uri::Scheme::HTTP) {
+                Version::HTTP_2
+            } else {
+                Version::HTTP_11
+            };
         Request::from_parts(parts, body)
     }
 
-    /// The upstream URI for a request: the upstream's scheme and authority, its path prefix,
-    /// then the request's path and query. Without a prefix the path and query are reused as
-    /// they are (no copy, no re-parse).
-    fn upstream_uri(&self, incoming: &Uri) -> Uri {
+    /// The upstream URI for a request: the upstream's scheme and authority (or `authority`),
+    /// its path prefix, then the request's path and query. Without a prefix the path and
+    /// query are reused as they are (no copy, no re-parse).
+    fn upstream_uri(&self, incoming: &Uri, authority: Option<http::uri::Authority>) -> Uri {
         let base = &self.config.url;
         let prefix = base.path().trim_end_matches('/');
         let path_and_query = match incoming.path_and_query() {
@@ -245,7 +393,7 @@ impl UpstreamClient {
         };
         let mut parts = http::uri::Parts::default();
         parts.scheme = base.scheme().cloned();
-        parts.authority = base.authority().cloned();
+        parts.authority = authority.or_else(|| base.authority().cloned());
         parts.path_and_query = Some(path_and_query);
         Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
     }
@@ -303,5 +451,38 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert!(h.contains_key("content-type"));
+    }
+
+    #[test]
+    fn a_forwarded_element_quotes_what_is_not_a_token() {
+        let v4 = ClientInfo::new("192.0.2.7:5000".parse().unwrap(), false);
+        let host = HeaderValue::from_static("example.com");
+        assert_eq!(
+            forwarded_element(&v4, Some(&host)),
+            "for=192.0.2.7;proto=http;host=example.com"
+        );
+        let v6 = ClientInfo::new("[2001:db8::1]:5000".parse().unwrap(), true);
+        let host = HeaderValue::from_static("example.com:8443");
+        assert_eq!(
+            forwarded_element(&v6, Some(&host)),
+            "for=\"[2001:db8::1]\";proto=https;host=\"example.com:8443\""
+        );
+        // An IPv4 client on a dual-stack listener is named as IPv4.
+        let mapped = ClientInfo::new("[::ffff:192.0.2.7]:5000".parse().unwrap(), false);
+        assert_eq!(forwarded_element(&mapped, None), "for=192.0.2.7;proto=http");
+        let odd = HeaderValue::from_static("a\"b\\c");
+        assert_eq!(
+            forwarded_element(&v4, Some(&odd)),
+            "for=192.0.2.7;proto=http;host=\"a\\\"b\\\\c\""
+        );
+    }
+
+    #[test]
+    fn te_trailers_is_recognised_among_other_codings() {
+        let mut h = HeaderMap::new();
+        h.insert("te", "gzip, Trailers".parse().unwrap());
+        assert!(accepts_trailers(&h));
+        h.insert("te", "gzip".parse().unwrap());
+        assert!(!accepts_trailers(&h));
     }
 }

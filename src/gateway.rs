@@ -16,22 +16,32 @@
 //!   bytes, taken before the body is read and before any claim, held until the forward ends.
 //! - A keyed request from its claim on is one spawned task, awaited by its `JoinHandle`: a
 //!   client that hangs up does not cancel it, and a task that panics is a 500 `internal`.
+//! - Only a plain request can open a tunnel (`tunnel.rs`); a keyed one's `Upgrade` is
+//!   stripped like any hop-by-hop header, so no key is claimed for a tunnel.
+//! - A `mode: observe` route (SPEC 8.3) claims, fingerprints and records a first attempt
+//!   exactly as `enforce` does, but every request is forwarded: a duplicate, an in-flight
+//!   duplicate or a mismatch is forwarded unrecorded (the stored first answer is never
+//!   touched) and counted in `idemgate_observed_total`; a request that cannot be keyed, a
+//!   body over `max_request_body` and store trouble are forwarded without idempotency. Its
+//!   answers never come from the replay cache, `serialize` does not apply, and it never
+//!   answers 409, 422 or 503 for the store.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Request, Response};
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+use crate::body::{Admitted, RequestBody, read_body};
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
-use crate::config::{Config, InFlight, OnStoreError, OnUnknownOutcome, Route};
+use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{
     Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
@@ -39,18 +49,18 @@ use crate::forward::{
 };
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
-use crate::metrics::{Metrics, outcome};
+use crate::metrics::{Metrics, observed, outcome};
 use crate::problem::GatewayError;
-use crate::replay::StoredResponse;
+use crate::record::ForwardJob;
 use crate::serialize::Serializer;
-use crate::store::{Claim, ClaimRequest, LeaseToken, Outcome, Store, StoreError};
+use crate::store::{Claim, ClaimRequest, Store};
 use crate::wait::{self, key_id};
 
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
 
 /// A duplicate is still in flight: come back in a second.
-fn in_flight_error() -> GatewayError {
+pub(crate) fn in_flight_error() -> GatewayError {
     GatewayError::InFlight {
         retry_after: Duration::from_secs(1),
     }
@@ -61,14 +71,46 @@ pub struct Gateway {
     /// The routes and upstream clients in force; a reload swaps the whole snapshot, and each
     /// request (and its forward job) keeps the one it started with.
     routing: RwLock<Arc<Routing>>,
-    store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn Store>,
     jobs: Arc<Jobs>,
-    serializer: Serializer,
-    metrics: Arc<Metrics>,
+    pub(crate) serializer: Serializer,
+    pub(crate) metrics: Arc<Metrics>,
     /// Admission counters by upstream name, kept across reloads.
     limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
     /// `server.max_buffered_bytes` (a restart applies a change).
     budget: Arc<ByteBudget>,
+    /// Draining, and whether the store has been ready once (what `/readyz` reports).
+    readiness: Readiness,
+}
+
+/// What `/readyz` needs to know besides the store's own answer (see `admin.rs`).
+#[derive(Debug, Default)]
+pub struct Readiness {
+    /// Set once on SIGTERM/SIGINT: `/readyz` answers 503 from then on (SPEC 8.3).
+    draining: AtomicBool,
+    /// Set the first time the store answered, migrated and durable: from then on a store
+    /// outage is reported by `/readyz` without failing it.
+    store_was_ready: AtomicBool,
+}
+
+impl Readiness {
+    /// Marks the process as draining; it never becomes ready again.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Records that the store was found ready (migrated, durable) by this process.
+    pub fn store_ready(&self) {
+        self.store_was_ready.store(true, Ordering::SeqCst);
+    }
+
+    pub fn store_was_ready(&self) -> bool {
+        self.store_was_ready.load(Ordering::SeqCst)
+    }
 }
 
 /// One configuration and the upstream clients built from it.
@@ -83,7 +125,7 @@ impl Routing {
         Routing { config, upstreams }
     }
 
-    fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
+    pub(crate) fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
         let route = self.config.routes.iter().find(|r| r.name == name)?;
         let idem = route.idempotency.as_ref()?;
         let upstream = self.upstreams.get(&route.upstream)?;
@@ -201,6 +243,7 @@ impl Gateway {
             metrics.buffered_bytes.clone(),
         ));
         let limits = std::sync::Mutex::default();
+        metrics.init_observed(&config);
         let routing = Routing::new(
             config,
             &LimitRegistry {
@@ -216,7 +259,13 @@ impl Gateway {
             metrics,
             limits,
             budget,
+            readiness: Readiness::default(),
         }
+    }
+
+    /// Draining and store readiness, for `/readyz` and the shutdown path.
+    pub fn readiness(&self) -> &Readiness {
+        &self.readiness
     }
 
     /// Admits a request to `upstream` with `bytes` of body to buffer, or refuses it
@@ -265,7 +314,7 @@ impl Gateway {
     /// validated against its timeouts, which would not be the ones in force.
     pub fn reload(&self, config: Config) -> Result<Vec<&'static str>, String> {
         let old = self.config();
-        if format!("{:?}", old.store) != format!("{:?}", config.store) {
+        if old.store != config.store {
             return Err(
                 "the store section changed; restart to apply it (nothing was reloaded)".into(),
             );
@@ -274,16 +323,14 @@ impl Gateway {
         if old.listen != config.listen {
             restart_needed.push("listen");
         }
-        if format!("{:?}", old.admin.as_ref().map(|a| a.listen))
-            != format!("{:?}", config.admin.as_ref().map(|a| a.listen))
-        {
+        if old.admin.as_ref().map(|a| a.listen) != config.admin.as_ref().map(|a| a.listen) {
             restart_needed.push("admin.listen");
         }
-        if format!("{:?}", old.server) != format!("{:?}", config.server) {
+        if old.server != config.server {
             restart_needed.push("server");
         }
 
-        if format!("{:?}", old.gc) != format!("{:?}", config.gc) {
+        if old.gc != config.gc {
             restart_needed.push("store.gc");
         }
         if old.replay_cache_bytes != config.replay_cache_bytes {
@@ -292,6 +339,7 @@ impl Gateway {
         if old.log_format != config.log_format {
             restart_needed.push("log");
         }
+        self.metrics.init_observed(&config);
         let routing = Routing::new(
             Arc::new(config),
             &LimitRegistry {
@@ -373,6 +421,13 @@ impl Gateway {
                 (resp, Some(err))
             }
         };
+        // While draining, an HTTP/1 client is told to reconnect (through its load balancer,
+        // which no longer sends here) instead of reusing this connection. h2 gets GOAWAY when
+        // the listener stops accepting.
+        if self.readiness.draining() && version < http::Version::HTTP_2 {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
         let route = log.route.as_deref().unwrap_or("");
         self.metrics.request(route, log.outcome);
         if let Some(took) = log.upstream {
@@ -407,6 +462,10 @@ impl Gateway {
         client: ClientInfo,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
+        // The connection's slot of `max_connections`: only a tunnel keeps it past this call.
+        let connection = req
+            .extensions_mut()
+            .remove::<crate::server::ConnectionSlot>();
         let raw = req.uri().path();
         let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
         let route = routing
@@ -442,6 +501,8 @@ impl Gateway {
             }
             _ => {
                 let admission = self.admit(upstream, 0)?;
+                let upgrade = crate::tunnel::requested(&req, &upstream.config)
+                    .map(|protocols| (protocols, hyper::upgrade::on(&mut req)));
                 let (parts, body) = req.into_parts();
                 let body = if parts.headers.contains_key(header::CONTENT_LENGTH) {
                     stream(body)
@@ -453,8 +514,15 @@ impl Gateway {
                         .map_err(|e| Box::new(e) as crate::forward::BoxError)
                         .boxed_unsync()
                 };
-                let out = upstream.prepare(parts, body, &client, None);
-                proxy(upstream, out, log, admission).await
+                let mut out = upstream.prepare(parts, body, &client, None);
+                match upgrade {
+                    None => proxy(upstream, out, log, admission).await,
+                    Some((protocols, on_client)) => {
+                        crate::tunnel::ask(&mut out, protocols);
+                        let hold = (admission, connection);
+                        tunnel(upstream, out, log, hold, on_client, &route.name).await
+                    }
+                }
             }
         }
     }
@@ -471,6 +539,7 @@ impl Gateway {
         log: &mut RequestLog,
         mut admission: Admission,
     ) -> Result<Response<Body>, GatewayError> {
+        let observe = idem.mode == Mode::Observe;
         let (parts, body) = req.into_parts();
         let limit = routing.config.server.body_read_timeout;
         let body = tokio::time::timeout(
@@ -479,40 +548,52 @@ impl Gateway {
         )
         .await
         .map_err(|_| GatewayError::BodyTimeout(limit))??;
+        let too_large = GatewayError::BodyTooLarge {
+            limit: idem.max_request_body,
+        };
+        let body = match body {
+            RequestBody::Whole(body) => body,
+            RequestBody::TooLarge(rest) if observe => {
+                return forward_unkeyed(
+                    route, upstream, parts, rest, client, log, admission, too_large,
+                )
+                .await;
+            }
+            RequestBody::TooLarge(_) => return Err(too_large),
+        };
         admission.bytes.resize(body.len());
         log.bytes_in = Some(body.len() as u64);
-        let mut json = JsonBody::new(&body);
-        let Some(KeyScope { key, scope }) = extract(idem, &parts.headers, &mut json)? else {
-            // No key and none required: a plain forward.
-            let out = upstream.prepare(parts, full(body), &client, None);
-            return proxy(upstream, out, log, admission).await;
+        let (KeyScope { key, scope }, fp) = match key_request(route, idem, &parts, &body) {
+            Ok(Some(keyed)) => keyed,
+            Ok(None) => {
+                // No key and none required: a plain forward.
+                let out = upstream.prepare(parts, full(body), &client, None);
+                return proxy(upstream, out, log, admission).await;
+            }
+            Err(e) if observe => {
+                return forward_unkeyed(
+                    route,
+                    upstream,
+                    parts,
+                    full(body),
+                    client,
+                    log,
+                    admission,
+                    e,
+                )
+                .await;
+            }
+            Err(e) => return Err(e),
         };
-        json.refuse_ambiguous(&parts.headers)?;
-        let json_value = if idem.fingerprint.json_canonical {
-            Some(json.get()?)
-        } else {
-            None
-        };
-        // The path was normalized before routing (see `route_request`).
-        let pq = parts
-            .uri
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
-        let fp = fingerprint(
-            &idem.fingerprint,
-            &parts.method,
-            &route.name,
-            pq,
-            &parts.headers,
-            &body,
-            json_value,
-        )?;
         let id = key_id(&scope, &key);
         log.key_id = Some(id.clone());
         // Hot replays skip the store (see cache.rs for why a hit is always a committed,
-        // unexpired answer to this very request).
-        let cache = self.store.wakeups().trusted_cache();
+        // unexpired answer to this very request). An observe route never replays.
+        let cache = if observe {
+            None
+        } else {
+            self.store.wakeups().trusted_cache()
+        };
         if let Some((cache, _)) = cache
             && let Some(hit) = cache.get(&id, &fp)
         {
@@ -541,53 +622,6 @@ impl Gateway {
         log.outcome = outcome;
         log.upstream = upstream_took;
         result
-    }
-
-    /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
-    /// key holds then (never `InFlight`) and when the look that found it started. See
-    /// `wait.rs` for how waiters are woken and how their lookups are shared.
-    async fn wait_in_flight(
-        &self,
-        req: ClaimRequest<'_>,
-        deadline: Instant,
-    ) -> Result<(Claim, Instant), GatewayError> {
-        let wakeups = self.store.wakeups();
-        let sub = wakeups.subscribe(req.scope, req.key);
-        let mut since = Instant::now();
-        let mut pause = wait::POLL_MIN;
-        loop {
-            let woken = sub.next_wakeup();
-            let looked_at = Instant::now();
-            let found = sub
-                .lookup(self.store.as_ref(), req, since, deadline)
-                .await?;
-            let lease_remaining = match found {
-                None => return Err(in_flight_error()),
-                Some(Claim::InFlight { lease_remaining }) => lease_remaining,
-                Some(other) => return Ok((other, looked_at)),
-            };
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(in_flight_error());
-            }
-            let nap = if wakeups.healthy() {
-                wait::SAFETY_POLL
-            } else {
-                let p = pause;
-                pause = (pause * 2).min(wait::POLL_MAX);
-                p
-            };
-            // Look again when the holder's lease ends: it may have crashed.
-            let nap = nap
-                .min(lease_remaining + wait::POLL_MIN)
-                .max(wait::POLL_MIN)
-                .min(deadline - now);
-            tokio::select! {
-                () = woken => {}
-                () = tokio::time::sleep(nap) => {}
-            }
-            since = Instant::now();
-        }
     }
 }
 
@@ -643,9 +677,29 @@ impl KeyedWork {
             ttl: idem.ttl,
             hold_expired_leases: idem.on_unknown_outcome == OnUnknownOutcome::Hold,
         };
+        let observe = idem.mode == Mode::Observe;
+        // What an observe route forwards without claiming: the upstream sees it as enforcing
+        // would have forwarded it, key header included; nothing is recorded.
+        let forward_observed = |log_outcome: &'static str, parts, body, admission| {
+            let request = upstream.prepare(
+                parts,
+                full(body),
+                &client,
+                Some((&idem.forward_key_header, &key)),
+            );
+            async move {
+                let mut log = RequestLog::new(log_outcome);
+                let result = proxy(upstream, request, &mut log, admission).await;
+                (result, log_outcome, log.upstream)
+            }
+        };
         let mut claimed_at = Instant::now();
         let first = match gateway.store.claim(claim).await {
             Ok(found) => found,
+            Err(e) if observe => {
+                tracing::warn!(route = %route.name, key = %id, error = %e, "observe: the store cannot claim; forwarded without idempotency");
+                return forward_observed(outcome::BYPASSED, parts, body, admission).await;
+            }
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
@@ -661,22 +715,36 @@ impl KeyedWork {
             }
             Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
         };
+        if observe {
+            let would = match &first {
+                Claim::Acquired { .. } => None,
+                Claim::Completed(..) | Claim::NotReplayable { .. } | Claim::Held => {
+                    Some(observed::WOULD_REPLAY)
+                }
+                Claim::InFlight { .. } => Some(observed::WOULD_WAIT),
+                Claim::Mismatch => Some(observed::WOULD_MISMATCH),
+            };
+            if let Some(would) = would {
+                gateway.metrics.observed(&route.name, would);
+                tracing::info!(route = %route.name, key = %id, observed = would, "observe: forwarded a request that enforcing would not have forwarded");
+                return forward_observed(outcome::OBSERVED, parts, body, admission).await;
+            }
+        }
         let mut waited = false;
         let found = match first {
             Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
                 return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None);
             }
             Claim::InFlight { .. } => {
-                match gateway
-                    .wait_in_flight(claim, Instant::now() + idem.wait_timeout)
-                    .await
-                {
-                    Ok((found, at)) => {
+                let deadline = Instant::now() + idem.wait_timeout;
+                match wait::wait_in_flight(gateway.store.as_ref(), claim, deadline).await {
+                    Ok(Some((found, at))) => {
                         claimed_at = at;
                         waited = true;
                         found
                     }
-                    Err(e) => return (Err(e), outcome::IN_FLIGHT_REJECTED, None),
+                    Ok(None) => return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None),
+                    Err(e) => return (Err(e.into()), outcome::IN_FLIGHT_REJECTED, None),
                 }
             }
             other => other,
@@ -749,27 +817,62 @@ impl KeyedWork {
     }
 }
 
-/// Reads a keyed request's body up to `limit`: by `Content-Length` up front, then by count.
-async fn read_body(
-    headers: &http::HeaderMap,
-    body: Incoming,
-    limit: usize,
-) -> Result<Bytes, GatewayError> {
-    if let Some(len) = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
-        && len > limit as u64
-    {
-        return Err(GatewayError::BodyTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(GatewayError::BodyTooLarge { limit })
-        }
-        Err(e) => Err(GatewayError::BodyRead(e.to_string())),
-    }
+/// The key, scope and fingerprint of a keyed request; `None` when it has no key and the
+/// route does not require one. Every error is the client's: the request cannot be keyed.
+fn key_request(
+    route: &Route,
+    idem: &Idempotency,
+    parts: &http::request::Parts,
+    body: &Bytes,
+) -> Result<Option<(KeyScope, Fingerprint)>, GatewayError> {
+    let mut json = JsonBody::new(body);
+    let Some(keyed) = extract(idem, &parts.headers, &mut json)? else {
+        return Ok(None);
+    };
+    json.refuse_ambiguous(&parts.headers)?;
+    let json_value = if idem.fingerprint.json_canonical {
+        Some(json.get()?)
+    } else {
+        None
+    };
+    // The path was normalized before routing (see `route_request`).
+    let pq = parts
+        .uri
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
+    let fp = fingerprint(
+        &idem.fingerprint,
+        &parts.method,
+        &route.name,
+        pq,
+        &parts.headers,
+        body,
+        json_value,
+    )?;
+    Ok(Some((keyed, fp)))
+}
+
+/// On an observe route, a request that enforcing would refuse before any claim (`why`: it
+/// cannot be keyed, or its body is over `max_request_body`): forwarded without idempotency
+/// and counted under the outcome enforcing would have had (an upstream failure counts as
+/// itself).
+#[allow(clippy::too_many_arguments)] // one request's parts, named
+async fn forward_unkeyed(
+    route: &Route,
+    upstream: &UpstreamClient,
+    parts: http::request::Parts,
+    body: Body,
+    client: ClientInfo,
+    log: &mut RequestLog,
+    admission: Admission,
+    why: GatewayError,
+) -> Result<Response<Body>, GatewayError> {
+    tracing::info!(route = %route.name, would = why.outcome(), reason = %why, "observe: enforcing would refuse this request; forwarded without idempotency");
+    let out = upstream.prepare(parts, body, &client, None);
+    let resp = proxy(upstream, out, log, admission).await?;
+    log.outcome = why.outcome();
+    Ok(resp)
 }
 
 /// The answer of a keyed request's task; a task that panicked or was cancelled is a bug,
@@ -812,301 +915,53 @@ async fn proxy(
     let started = Instant::now();
     let sent = upstream.send(req).await;
     log.upstream = Some(started.elapsed());
-    match sent {
-        Ok(resp) => {
-            let (mut parts, body) = resp.into_parts();
-            clean_response_headers(&mut parts.headers);
-            let body = Admitted {
-                body: stream(body),
-                _admission: admission,
-            };
-            Ok(Response::from_parts(parts, body.boxed_unsync()))
-        }
-        Err(UpstreamError::Connect(e)) => Err(GatewayError::UpstreamUnavailable(e)),
-        Err(UpstreamError::Timeout) => Err(GatewayError::UpstreamTimeout),
-        Err(UpstreamError::Failed(e)) => Err(GatewayError::UpstreamFailed(e)),
-    }
+    Ok(passed_on(sent.map_err(upstream_failure)?, admission))
 }
 
-/// A response body that holds its request's admission until it is done with.
-struct Admitted {
-    body: Body,
-    _admission: Admission,
+/// A plain forward that asked to switch protocols: a 101 from the upstream opens a tunnel
+/// that keeps `hold` (the admission and the connection's slot) until it closes; any other
+/// answer is passed on as by [`proxy`].
+async fn tunnel(
+    upstream: &UpstreamClient,
+    req: Request<Body>,
+    log: &mut RequestLog,
+    hold: (Admission, Option<crate::server::ConnectionSlot>),
+    on_client: hyper::upgrade::OnUpgrade,
+    route: &str,
+) -> Result<Response<Body>, GatewayError> {
+    let started = Instant::now();
+    let sent = upstream.send(req).await;
+    log.upstream = Some(started.elapsed());
+    let mut resp = sent.map_err(upstream_failure)?;
+    if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        return Ok(passed_on(resp, hold.0));
+    }
+    let on_upstream = hyper::upgrade::on(&mut resp);
+    let (mut parts, _empty) = resp.into_parts();
+    crate::tunnel::switching_headers(&mut parts.headers);
+    crate::tunnel::splice(on_client, on_upstream, route.to_string(), hold);
+    log.outcome = outcome::TUNNELED;
+    Ok(Response::from_parts(parts, full(Bytes::new())))
 }
 
-impl hyper::body::Body for Admitted {
-    type Data = Bytes;
-    type Error = crate::forward::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
+/// An upstream's answer streamed back to the client, its headers cleaned; the admission is
+/// held by the body until it has been passed on (or dropped). Trailers pass too.
+fn passed_on(resp: Response<Incoming>, admission: Admission) -> Response<Body> {
+    let (mut parts, body) = resp.into_parts();
+    clean_response_headers(&mut parts.headers);
+    let body = Admitted {
+        body: stream(body),
+        _admission: admission,
+    };
+    Response::from_parts(parts, body.boxed_unsync())
 }
 
-/// A claimed request on its way to the upstream, detached from the client connection.
-struct ForwardJob {
-    gateway: Arc<Gateway>,
-    /// The configuration the request started with (a reload does not change it midway).
-    routing: Arc<Routing>,
-    route: String,
-    scope: String,
-    key: String,
-    token: LeaseToken,
-    /// Local time by which the lease has surely ended; no write is attempted after it.
-    lease_ends: Instant,
-    /// The upstream slot and buffered bytes; a captured response is added as it arrives.
-    admission: Admission,
-}
-
-/// How many times a completion is attempted before the client is told it failed.
-const FINISH_ATTEMPTS: u32 = 3;
-
-impl ForwardJob {
-    /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
-    /// Runs inside the keyed request's own task, so a client that goes away does not stop
-    /// it. Also sets how long the upstream took, when it was called.
-    async fn run(
-        mut self,
-        request: Request<Body>,
-        took: &mut Option<Duration>,
-    ) -> Result<Response<Body>, GatewayError> {
-        let routing = Arc::clone(&self.routing);
-        let (_, idem, _) = routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
-        let gateway = Arc::clone(&self.gateway);
-        let store = gateway.store.as_ref();
-        let held = match idem.serialize {
-            None => None,
-            Some(ser) => {
-                // The forward and its recording must fit in what is left of the lease.
-                let (_, _, upstream) = routing
-                    .route(&self.route)
-                    .expect("the route of a claimed request exists");
-                let last_start = self.lease_ends
-                    - upstream.config.timeout
-                    - self.routing.config.store.record_bound() * 2;
-                let got = gateway
-                    .serializer
-                    .acquire(store, &self.scope, ser, idem.lease, last_start)
-                    .await;
-                match got {
-                    Ok(Some(held)) => Some(held),
-                    Ok(None) | Err(_) => {
-                        // Nothing was forwarded: give the key back so a retry can go through.
-                        if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                            tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
-                        }
-                        return Err(match got {
-                            Err(e) => GatewayError::Store(e),
-                            _ => in_flight_error(),
-                        });
-                    }
-                }
-            }
-        };
-        let result = self.forward(request, took).await;
-        if let Some(held) = held {
-            held.release(store).await;
-        }
-        result
-    }
-
-    /// Forwards once and records the outcome.
-    async fn forward(
-        &mut self,
-        request: Request<Body>,
-        took: &mut Option<Duration>,
-    ) -> Result<Response<Body>, GatewayError> {
-        let (_, idem, upstream) = self
-            .routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
-        let started = Instant::now();
-        let limit = idem.max_stored_response;
-        let held = &mut self.admission.bytes;
-        let exchange = async {
-            let resp = upstream.send(request).await?;
-            let (parts, body) = resp.into_parts();
-            if idem.retry_statuses.contains(parts.status.as_u16()) {
-                return Ok((parts, Captured::PassOn(body)));
-            }
-            let captured = read_capped(body, limit, held).await?;
-            Ok::<_, UpstreamError>((parts, captured))
-        };
-        let result = match tokio::time::timeout(upstream.config.timeout, exchange).await {
-            Ok(r) => r,
-            Err(_) => Err(UpstreamError::Timeout),
-        };
-        *took = Some(started.elapsed());
-        match result {
-            Err(UpstreamError::Connect(e)) => {
-                self.finish(Outcome::Release, idem.ttl).await.ok();
-                Err(GatewayError::UpstreamUnavailable(e))
-            }
-            Err(e) => {
-                let outcome = match idem.on_unknown_outcome {
-                    OnUnknownOutcome::Reforward => Outcome::Release,
-                    OnUnknownOutcome::Hold => Outcome::Unknown,
-                };
-                if let Err(se) = self.finish(outcome, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
-                }
-                Err(match e {
-                    UpstreamError::Timeout => GatewayError::UpstreamTimeout,
-                    UpstreamError::Failed(msg) | UpstreamError::Connect(msg) => {
-                        GatewayError::UpstreamFailed(msg)
-                    }
-                })
-            }
-            Ok((mut parts, Captured::PassOn(body))) => {
-                // A retryable status: release, so a retry forwards again, then pass it on.
-                if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
-                }
-                clean_response_headers(&mut parts.headers);
-                Ok(Response::from_parts(parts, stream(body)))
-            }
-            Ok((mut parts, Captured::Whole(bytes))) => {
-                clean_response_headers(&mut parts.headers);
-                let stored = StoredResponse::capture(
-                    parts.status,
-                    &parts.headers,
-                    &idem.replay_headers,
-                    bytes.clone(),
-                );
-                self.record(Outcome::Completed(stored), idem.ttl).await?;
-                tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
-                Ok(Response::from_parts(parts, full(bytes)))
-            }
-            Ok((mut parts, Captured::TooLarge { head, rest })) => {
-                self.record(
-                    Outcome::NotReplayable {
-                        status: parts.status.as_u16(),
-                    },
-                    idem.ttl,
-                )
-                .await?;
-                clean_response_headers(&mut parts.headers);
-                let body = Prefixed {
-                    head: Some(head),
-                    rest,
-                };
-                Ok(Response::from_parts(parts, body.boxed_unsync()))
-            }
-        }
-    }
-
-    /// Records a final outcome, retried a little while the lease lasts; the answer depends on
-    /// it (guarantee 3). A retry that could end after the lease is not started: past it,
-    /// another attempt may own the key.
-    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
-        let mut last = None;
-        let bound = self.routing.config.store.record_bound();
-        for attempt in 0..FINISH_ATTEMPTS {
-            if attempt > 0 && Instant::now() + bound >= self.lease_ends {
-                break;
-            }
-            match self.finish(outcome.clone(), ttl).await {
-                Ok(written) => return Ok(written),
-                Err(e) => {
-                    tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
-                    last = Some(e);
-                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
-                }
-            }
-        }
-        Err(GatewayError::StoreAfterForward(
-            last.expect("at least one attempt failed"),
-        ))
-    }
-
-    /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
-    /// our client still gets what the upstream said.
-    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
-        let written = self
-            .gateway
-            .store
-            .finish(&self.scope, &self.key, &self.token, outcome, ttl)
-            .await?;
-        if !written {
-            self.gateway.metrics.lease(&self.route, "lost");
-            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
-        }
-        Ok(written)
-    }
-}
-
-/// An upstream body, read as far as the store limit allows.
-enum Captured {
-    /// A retryable status: not read at all.
-    PassOn(Incoming),
-    /// The whole body, within the limit.
-    Whole(Bytes),
-    /// Over the limit: what was read, and the rest still streaming.
-    TooLarge { head: Bytes, rest: Incoming },
-}
-
-/// Reads an upstream body up to `limit`, counting what it holds in `held` on top of the
-/// request body already counted there.
-async fn read_capped(
-    mut body: Incoming,
-    limit: usize,
-    held: &mut crate::limits::Reservation,
-) -> Result<Captured, UpstreamError> {
-    use hyper::body::Body as _;
-    let base = held.bytes();
-    let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
-        if let Ok(data) = frame.into_data() {
-            buf.extend_from_slice(&data);
-            held.resize(base + buf.len());
-            if buf.len() > limit {
-                return Ok(Captured::TooLarge {
-                    head: buf.freeze(),
-                    rest: body,
-                });
-            }
-        }
-        if body.is_end_stream() {
-            break;
-        }
-    }
-    Ok(Captured::Whole(buf.freeze()))
-}
-
-/// A body that yields bytes already read, then the rest of an upstream body.
-struct Prefixed {
-    head: Option<Bytes>,
-    rest: Incoming,
-}
-
-impl hyper::body::Body for Prefixed {
-    type Data = Bytes;
-    type Error = crate::forward::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        if let Some(head) = self.head.take() {
-            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
-        }
-        std::pin::Pin::new(&mut self.rest)
-            .poll_frame(cx)
-            .map_err(|e| Box::new(e) as Self::Error)
+/// What a failed plain forward tells the client.
+fn upstream_failure(e: UpstreamError) -> GatewayError {
+    match e {
+        UpstreamError::Connect(e) => GatewayError::UpstreamUnavailable(e),
+        UpstreamError::Timeout => GatewayError::UpstreamTimeout,
+        UpstreamError::Failed(e) => GatewayError::UpstreamFailed(e),
     }
 }
 

@@ -21,7 +21,23 @@ use serde_json::Value;
 
 use crate::config::{Idempotency, KeySource, ScopeSource};
 use crate::fingerprint::{hex, sha256};
-use crate::problem::GatewayError;
+
+/// Why a request's key or scope cannot be used; `problem.rs` maps each to its status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("idempotency key missing")]
+    Missing,
+    #[error("idempotency key invalid: {0}")]
+    Invalid(&'static str),
+    #[error("scope missing")]
+    ScopeMissing { unauthorized: bool },
+    #[error("scope invalid: {0}")]
+    ScopeInvalid(&'static str),
+    /// The key, scope or fingerprint is read from a JSON body that is not JSON (or repeats a
+    /// member name).
+    #[error("body is not JSON")]
+    NotJson,
+}
 
 /// Longest key and scope accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
@@ -39,7 +55,7 @@ impl<'a> JsonBody<'a> {
 
     /// The parsed body, or `body-not-json` (not JSON, or a member name repeated in one
     /// object). serde_json's recursion limit (128) bounds nesting.
-    pub fn get(&mut self) -> Result<&Value, GatewayError> {
+    pub fn get(&mut self) -> Result<&Value, KeyError> {
         let raw = self.raw;
         self.parsed
             .get_or_insert_with(|| {
@@ -49,18 +65,18 @@ impl<'a> JsonBody<'a> {
                 serde_json::from_slice(raw).ok()
             })
             .as_ref()
-            .ok_or(GatewayError::BodyNotJson)
+            .ok_or(KeyError::NotJson)
     }
 
     /// Refuses a body that says it is JSON and repeats a member name, even where nothing is
     /// read from it (the upstream's parser may read it another way than a fingerprint does).
-    pub fn refuse_ambiguous(&mut self, headers: &HeaderMap) -> Result<(), GatewayError> {
+    pub fn refuse_ambiguous(&mut self, headers: &HeaderMap) -> Result<(), KeyError> {
         if self.parsed.is_none()
             && is_json_content_type(headers)
             && has_duplicate_member(self.raw) == Some(true)
         {
             self.parsed = Some(None);
-            return Err(GatewayError::BodyNotJson);
+            return Err(KeyError::NotJson);
         }
         Ok(())
     }
@@ -173,8 +189,8 @@ pub fn namespaced(source: &ScopeSource, value: &str) -> String {
 fn single_header<T: PartialEq>(
     headers: &HeaderMap,
     name: &http::HeaderName,
-    parse: impl Fn(&[u8]) -> Result<T, GatewayError>,
-) -> Result<Option<Result<T, GatewayError>>, ()> {
+    parse: impl Fn(&[u8]) -> Result<T, KeyError>,
+) -> Result<Option<Result<T, KeyError>>, ()> {
     let mut all = headers.get_all(name).iter();
     let Some(first) = all.next() else {
         return Ok(None);
@@ -204,10 +220,10 @@ pub fn extract(
     idem: &Idempotency,
     headers: &HeaderMap,
     body: &mut JsonBody<'_>,
-) -> Result<Option<KeyScope>, GatewayError> {
+) -> Result<Option<KeyScope>, KeyError> {
     let Some(key) = find_key(idem, headers, body)? else {
         return if idem.required {
-            Err(GatewayError::KeyMissing)
+            Err(KeyError::Missing)
         } else {
             Ok(None)
         };
@@ -223,12 +239,12 @@ fn find_key(
     idem: &Idempotency,
     headers: &HeaderMap,
     body: &mut JsonBody<'_>,
-) -> Result<Option<String>, GatewayError> {
+) -> Result<Option<String>, KeyError> {
     for source in &idem.key {
         let found = match source {
             KeySource::Header(name) => match single_header(headers, name, parse_header_key) {
                 Err(()) => {
-                    return Err(GatewayError::KeyInvalid(
+                    return Err(KeyError::Invalid(
                         "is given more than once with different values",
                     ));
                 }
@@ -239,7 +255,7 @@ fn find_key(
                 None | Some(Value::Null) => None,
                 Some(Value::String(s)) => Some(s.clone()),
                 Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Some(n.to_string()),
-                Some(_) => return Err(GatewayError::KeyInvalid("must be a string or an integer")),
+                Some(_) => return Err(KeyError::Invalid("must be a string or an integer")),
             },
         };
         if let Some(key) = found {
@@ -251,7 +267,7 @@ fn find_key(
 }
 
 /// A header key, bare (`abc`) or as an RFC 8941 sf-string (`"abc"`, with `\"` and `\\`).
-pub fn parse_header_key(raw: &[u8]) -> Result<String, GatewayError> {
+pub fn parse_header_key(raw: &[u8]) -> Result<String, KeyError> {
     let raw = trim_ows(raw);
     let text = if let Some(inner) = raw.strip_prefix(b"\"") {
         let mut out = Vec::with_capacity(inner.len());
@@ -262,9 +278,7 @@ pub fn parse_header_key(raw: &[u8]) -> Result<String, GatewayError> {
                 b'\\' => match iter.next() {
                     Some(&e @ (b'"' | b'\\')) => out.push(e),
                     _ => {
-                        return Err(GatewayError::KeyInvalid(
-                            "has a bad escape in its quoted form",
-                        ));
+                        return Err(KeyError::Invalid("has a bad escape in its quoted form"));
                     }
                 },
                 b'"' => {
@@ -277,13 +291,13 @@ pub fn parse_header_key(raw: &[u8]) -> Result<String, GatewayError> {
         // Parameters after the string (`;a=b`) are allowed by RFC 8941 and ignored here.
         let rest = iter.as_slice();
         if !closed || !(rest.is_empty() || rest.starts_with(b";")) {
-            return Err(GatewayError::KeyInvalid("is not a valid quoted string"));
+            return Err(KeyError::Invalid("is not a valid quoted string"));
         }
         out
     } else {
         raw.to_vec()
     };
-    String::from_utf8(text).map_err(|_| GatewayError::KeyInvalid("must be visible ASCII"))
+    String::from_utf8(text).map_err(|_| KeyError::Invalid("must be visible ASCII"))
 }
 
 fn trim_ows(mut b: &[u8]) -> &[u8] {
@@ -297,15 +311,15 @@ fn trim_ows(mut b: &[u8]) -> &[u8] {
 }
 
 /// 1-255 bytes, visible ASCII only.
-pub fn validate_key(key: &str) -> Result<(), GatewayError> {
+pub fn validate_key(key: &str) -> Result<(), KeyError> {
     if key.is_empty() {
-        return Err(GatewayError::KeyInvalid("is empty"));
+        return Err(KeyError::Invalid("is empty"));
     }
     if key.len() > MAX_KEY_LEN {
-        return Err(GatewayError::KeyInvalid("is longer than 255 bytes"));
+        return Err(KeyError::Invalid("is longer than 255 bytes"));
     }
     if !key.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-        return Err(GatewayError::KeyInvalid(
+        return Err(KeyError::Invalid(
             "must be visible ASCII (no spaces or control characters)",
         ));
     }
@@ -316,8 +330,8 @@ fn scope(
     source: &ScopeSource,
     headers: &HeaderMap,
     body: &mut JsonBody<'_>,
-) -> Result<String, GatewayError> {
-    let missing = GatewayError::ScopeMissing {
+) -> Result<String, KeyError> {
+    let missing = KeyError::ScopeMissing {
         unauthorized: false,
     };
     let value = match source {
@@ -327,9 +341,9 @@ fn scope(
             let v = all
                 .next()
                 .filter(|v| !v.is_empty())
-                .ok_or(GatewayError::ScopeMissing { unauthorized: true })?;
+                .ok_or(KeyError::ScopeMissing { unauthorized: true })?;
             if all.any(|other| other != v) {
-                return Err(GatewayError::ScopeInvalid(
+                return Err(KeyError::ScopeInvalid(
                     "header is given more than once with different values",
                 ));
             }
@@ -340,11 +354,11 @@ fn scope(
             let text = |raw: &[u8]| {
                 std::str::from_utf8(trim_ows(raw))
                     .map(str::to_string)
-                    .map_err(|_| GatewayError::ScopeInvalid("must be UTF-8 text"))
+                    .map_err(|_| KeyError::ScopeInvalid("must be UTF-8 text"))
             };
             match single_header(headers, name, text) {
                 Err(()) => {
-                    return Err(GatewayError::ScopeInvalid(
+                    return Err(KeyError::ScopeInvalid(
                         "header is given more than once with different values",
                     ));
                 }
@@ -356,16 +370,16 @@ fn scope(
             None | Some(Value::Null) => return Err(missing),
             Some(Value::String(s)) => s.clone(),
             Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
-            Some(_) => return Err(GatewayError::ScopeInvalid("must be a string or an integer")),
+            Some(_) => return Err(KeyError::ScopeInvalid("must be a string or an integer")),
         },
     };
     if value.is_empty() {
-        return Err(GatewayError::ScopeMissing {
+        return Err(KeyError::ScopeMissing {
             unauthorized: false,
         });
     }
     if value.len() > MAX_KEY_LEN || value.chars().any(char::is_control) {
-        return Err(GatewayError::ScopeInvalid(
+        return Err(KeyError::ScopeInvalid(
             "must be 1-255 bytes without control characters",
         ));
     }
@@ -451,7 +465,7 @@ mod tests {
                     ("x-account-id", "a")
                 ]
             ),
-            Err(GatewayError::KeyInvalid(_))
+            Err(KeyError::Invalid(_))
         ));
         assert!(matches!(
             run(
@@ -462,7 +476,7 @@ mod tests {
                     ("x-account-id", "b")
                 ]
             ),
-            Err(GatewayError::ScopeInvalid(_))
+            Err(KeyError::ScopeInvalid(_))
         ));
         idem.scope = ScopeSource::Fixed("a".into());
         let fixed = run(&idem, &[("idempotency-key", "k")]).unwrap().unwrap();

@@ -3,24 +3,29 @@
 //! The modules, in the order a request meets them:
 //!
 //! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
-//! - [`server`]: listener, connection limit, header read timeout, graceful shutdown.
+//! - [`server`]: listener, connection limit, header read timeout, drain and graceful shutdown.
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: upstream slots and buffered bytes.
 //! - [`access`]: request ids and the access log line of each request.
-//! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay.
+//! - [`body`]: request bodies read within their limit, responses captured for the store.
+//! - [`record`]: a claimed request's forward and its fenced, retried recording.
+//! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay
+//!   (or, on an observe route, forward and count what enforcing would have done).
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
 //! - [`cache`]: completed responses kept in memory so hot replays skip the store.
-//! - [`wait`]: waiting for an in-flight key: wake-ups, shared lookups, polling fallback.
-//! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete) and the
-//!   Postgres implementation with its SQL and migrations.
+//! - [`wait`]: the waiting loop for an in-flight key or a slot, and its backoff.
+//! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete), the
+//!   Postgres and embedded implementations with their SQL and migrations, and the wake-ups
+//!   the store owns (`store::wakeups`: subscriptions, announcements, shared lookups).
 //! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
-//! - [`forward`]: upstream clients, header hygiene, timeouts.
+//! - [`forward`]: upstream clients (HTTP/1.1 or h2), header hygiene, timeouts.
+//! - [`tunnel`]: upgrades (WebSocket) on plain routes, spliced until either side closes.
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
-//! - [`admin`]: health, readiness and the key API on `admin.listen`.
+//! - [`admin`]: health, readiness (draining, store trouble) and the key API on `admin.listen`.
 //! - [`keys`]: operator lookups and deletes of stored keys (key API and `idemgate keys`).
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
@@ -31,6 +36,7 @@
 
 pub mod access;
 pub mod admin;
+pub mod body;
 pub mod cache;
 pub mod commands;
 pub mod config;
@@ -47,9 +53,11 @@ pub mod metrics;
 pub mod path;
 pub mod problem;
 pub mod process;
+pub mod record;
 pub mod replay;
 pub mod serialize;
 pub mod server;
 pub mod store;
 pub mod tls;
+pub mod tunnel;
 pub mod wait;

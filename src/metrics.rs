@@ -19,6 +19,10 @@
 //!   refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
 //! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
 //!   a live lease (a possible double, like `taken_over`).
+//! - `idemgate_observed_total{route, outcome}`: on `mode: observe` routes, what enforcing
+//!   would have done with a request that was forwarded instead (see [`observed`]). The
+//!   three series of every observe route exist from the start (at 0), so a rate reads 0,
+//!   not "no data", on a route that has seen no duplicate yet.
 //!
 //! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
 //! older text format to anyone else; `promtool check metrics` lints the latter in CI.
@@ -37,6 +41,8 @@ use prometheus_client::registry::Registry;
 pub mod outcome {
     /// Proxied on a route or method without idempotency (or keyless, not required).
     pub const PROXIED: &str = "proxied";
+    /// Proxied, and the upstream switched protocols: a tunnel was opened (`tunnel.rs`).
+    pub const TUNNELED: &str = "tunneled";
     /// Claimed and forwarded; the answer was stored (or released for a retryable status).
     pub const FORWARDED: &str = "forwarded";
     /// Answered from a stored response.
@@ -64,6 +70,26 @@ pub mod outcome {
     pub const OVERLOADED: &str = "overloaded";
     /// A bug: a task panicked or was cancelled.
     pub const INTERNAL: &str = "internal";
+    /// On a `mode: observe` route: forwarded, unrecorded, although enforcing would not
+    /// have forwarded it; `idemgate_observed_total` says what enforcing would have done.
+    pub const OBSERVED: &str = "observed";
+}
+
+/// The outcome names of `idemgate_observed_total` (SPEC 8.3): what enforcing would have
+/// done with a request an observe route forwarded.
+pub mod observed {
+    /// The key was completed with the same fingerprint: enforcing would have replayed the
+    /// stored answer. Also a key whose stored answer was too large to replay or whose
+    /// outcome is unknown (`hold`): enforcing would have answered from the store (502)
+    /// without forwarding.
+    pub const WOULD_REPLAY: &str = "would_replay";
+    /// Another attempt with the same fingerprint was in flight: enforcing would have waited
+    /// for its answer (or, with `in_flight: reject`, answered 409).
+    pub const WOULD_WAIT: &str = "would_wait";
+    /// The key was used with a different request: enforcing would have answered 422.
+    pub const WOULD_MISMATCH: &str = "would_mismatch";
+    /// All three, in the order they are documented.
+    pub const ALL: [&str; 3] = [WOULD_REPLAY, WOULD_WAIT, WOULD_MISMATCH];
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -148,6 +174,7 @@ pub struct Metrics {
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
     pub buffered_bytes: Gauge,
     pub overloaded: Family<UpstreamBound, Counter>,
+    pub observed: Family<RouteOutcome, Counter>,
     /// Handles resolved once per route, so a request costs no label allocation or hashing
     /// of an owned label set (the families above stay the source of truth).
     per_route: std::sync::RwLock<std::collections::HashMap<String, Arc<RouteHandles>>>,
@@ -172,6 +199,12 @@ impl Metrics {
         let upstream_in_flight = Family::<UpstreamLabel, Gauge>::default();
         let buffered_bytes = Gauge::default();
         let overloaded = Family::<UpstreamBound, Counter>::default();
+        let observed = Family::<RouteOutcome, Counter>::default();
+        registry.register(
+            "observed",
+            "Requests an observe route forwarded, by what enforcing would have done: would_replay, would_wait, would_mismatch",
+            observed.clone(),
+        );
         registry.register(
             "upstream_in_flight",
             "Requests admitted to each upstream and not yet finished (bounded by max_in_flight)",
@@ -243,7 +276,37 @@ impl Metrics {
             upstream_in_flight,
             buffered_bytes,
             overloaded,
+            observed,
             per_route: Default::default(),
+        }
+    }
+
+    /// Counts what enforcing would have done with a request an observe route forwarded.
+    pub fn observed(&self, route: &str, outcome: &'static str) {
+        self.observed
+            .get_or_create(&RouteOutcome {
+                route: route.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Creates the `idemgate_observed_total` series of every observe route at 0 (a reload
+    /// adds those of routes switched to observe; a series once created stays).
+    pub fn init_observed(&self, config: &crate::config::Config) {
+        for route in &config.routes {
+            if route
+                .idempotency
+                .as_ref()
+                .is_some_and(|i| i.mode == crate::config::Mode::Observe)
+            {
+                for outcome in observed::ALL {
+                    let _created = self.observed.get_or_create(&RouteOutcome {
+                        route: route.name.clone(),
+                        outcome,
+                    });
+                }
+            }
         }
     }
 

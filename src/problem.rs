@@ -62,6 +62,27 @@ pub enum GatewayError {
     NotReplayable,
 }
 
+impl From<crate::key::KeyError> for GatewayError {
+    fn from(e: crate::key::KeyError) -> GatewayError {
+        use crate::key::KeyError as K;
+        match e {
+            K::Missing => GatewayError::KeyMissing,
+            K::Invalid(why) => GatewayError::KeyInvalid(why),
+            K::ScopeMissing { unauthorized } => GatewayError::ScopeMissing { unauthorized },
+            K::ScopeInvalid(why) => GatewayError::ScopeInvalid(why),
+            K::NotJson => GatewayError::BodyNotJson,
+        }
+    }
+}
+
+impl From<crate::fingerprint::FingerprintError> for GatewayError {
+    fn from(e: crate::fingerprint::FingerprintError) -> GatewayError {
+        match e {
+            crate::fingerprint::FingerprintError::NotJson => GatewayError::BodyNotJson,
+        }
+    }
+}
+
 impl GatewayError {
     /// The outcome name this error counts under in `idemgate_requests_total`.
     pub fn outcome(&self) -> &'static str {

@@ -19,6 +19,8 @@ pub struct GatewayProcess {
     exe: PathBuf,
     /// The child's `RUST_LOG`.
     log_filter: String,
+    /// More environment variables for the child (e.g. `SSL_CERT_FILE`).
+    env: Vec<(String, String)>,
     pub addr: SocketAddr,
     /// The admin listener's address, when the config has one.
     pub admin: Option<SocketAddr>,
@@ -34,8 +36,19 @@ impl GatewayProcess {
     /// the addresses; the config is then rewritten with them, so a restart comes back on the
     /// same ports (no port is picked, released and hoped for).
     pub async fn start(exe: &Path, dir: &Path, yaml: &str) -> Result<GatewayProcess, String> {
+        GatewayProcess::start_with_env(exe, dir, yaml, &[]).await
+    }
+
+    /// As [`start`](Self::start), with more environment variables for the child: the only
+    /// way a test sets one, since setting it in a threaded test process is unsound.
+    pub async fn start_with_env(
+        exe: &Path,
+        dir: &Path,
+        yaml: &str,
+        env: &[(&str, &str)],
+    ) -> Result<GatewayProcess, String> {
         let filter = std::env::var("RUST_LOG").unwrap_or_else(|_| "idemgate=debug".into());
-        GatewayProcess::start_logging(exe, dir, yaml, &filter).await
+        GatewayProcess::launch(exe, dir, yaml, &filter, env).await
     }
 
     /// As [`start`](Self::start), with the child's log filter (`RUST_LOG`) given: a load
@@ -45,6 +58,16 @@ impl GatewayProcess {
         dir: &Path,
         yaml: &str,
         log_filter: &str,
+    ) -> Result<GatewayProcess, String> {
+        GatewayProcess::launch(exe, dir, yaml, log_filter, &[]).await
+    }
+
+    async fn launch(
+        exe: &Path,
+        dir: &Path,
+        yaml: &str,
+        log_filter: &str,
+        env: &[(&str, &str)],
     ) -> Result<GatewayProcess, String> {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
@@ -58,6 +81,10 @@ impl GatewayProcess {
         let mut p = GatewayProcess {
             exe: exe.to_path_buf(),
             log_filter: log_filter.to_string(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
             addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             admin: None,
             log: dir.join(format!("gateway-{n}.log")),
@@ -97,6 +124,7 @@ impl GatewayProcess {
             .args(["serve", "--config"])
             .arg(&self.config)
             .env("RUST_LOG", &self.log_filter)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(open_log()?)
             .stderr(open_log()?)

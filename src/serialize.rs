@@ -130,7 +130,7 @@ impl Serializer {
 
         let wakeups = store.wakeups();
         let sub = wakeups.subscribe_id(slot_id(scope));
-        let mut pause = wait::POLL_MIN;
+        let mut backoff = wait::Backoff::default();
         loop {
             let woken = sub.next_wakeup();
             if Instant::now() >= deadline {
@@ -149,13 +149,7 @@ impl Serializer {
             if now >= deadline {
                 return Ok(None);
             }
-            let nap = if wakeups.healthy() {
-                wait::SAFETY_POLL
-            } else {
-                let p = pause;
-                pause = (pause * 2).min(wait::POLL_MAX);
-                p
-            };
+            let nap = backoff.next(wakeups.healthy());
             tokio::select! {
                 () = woken => {}
                 () = tokio::time::sleep(nap.min(deadline - now)) => {}

@@ -1,14 +1,22 @@
 //! The listener: connection limits, header read timeout, HTTP/1.1 and h2 (h2c in clear, or
-//! by ALPN over TLS), graceful shutdown.
+//! by ALPN over TLS), the drain that precedes shutdown, graceful shutdown.
 //!
 //! [`run`] takes the listener and the shutdown future as arguments, so tests bind
 //! `127.0.0.1:0` and stop the server at will. Invariants: at most `max_connections`
 //! connections are served at once (further ones wait in the kernel's accept backlog); a
 //! client that does not finish its request head within `header_read_timeout` is cut off
-//! (hyper needs a timer for that, or the timeout is silently off); after shutdown starts no
-//! connection is accepted, and open ones get `shutdown_grace` to finish their requests, as do
-//! forwards whose client left. What is still in flight when the grace ends is cut: its key
-//! keeps its lease and is never marked done.
+//! (hyper needs a timer for that, or the timeout is silently off); once the shutdown future
+//! resolves no connection is accepted, and open ones get `shutdown_grace` to finish their
+//! requests, as do forwards whose client left. What is still in flight when the grace ends is
+//! cut: its key keeps its lease and is never marked done.
+//!
+//! `serve` resolves that future through [`drain_on_signal`]: on SIGTERM/SIGINT `/readyz`
+//! fails at once while the listener keeps accepting for `server.drain_delay` (SPEC 8.3).
+//!
+//! HTTP/1.1 connections are served with upgrades (`tunnel.rs`). A tunnel keeps its
+//! connection's slot of `max_connections` ([`ConnectionSlot`]) for as long as it is open,
+//! although hyper hands the connection over when it upgrades. Tunnels are not drained: they
+//! run while the process serves and are cut when it exits (a websocket client reconnects).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -20,7 +28,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
@@ -28,6 +36,14 @@ use crate::gateway::Gateway;
 
 /// Concurrent requests on one h2 connection.
 const H2_MAX_STREAMS: u32 = 100;
+
+/// A connection's slot of `max_connections`, shared by the connection and its requests (in
+/// their extensions): freed when the last holder is gone. Only a tunnel keeps its request's
+/// copy past the response (`Gateway::route_request` drops it for everything else).
+#[derive(Clone)]
+pub struct ConnectionSlot {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
 
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
 /// if the listener's TLS files cannot be loaded.
@@ -83,8 +99,13 @@ pub async fn run(
         let _ = stream.set_nodelay(true);
         let info = ClientInfo::new(addr, tls.is_some());
         let gw = Arc::clone(&gateway);
-        let svc = service_fn(move |req| {
+        let permit = ConnectionSlot {
+            _permit: Arc::new(permit),
+        };
+        let slot = permit.clone();
+        let svc = service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             let (gw, info) = (Arc::clone(&gw), info.clone());
+            req.extensions_mut().insert(slot.clone());
             async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
         });
         if let Some(acceptor) = &tls {
@@ -95,7 +116,8 @@ pub async fn run(
             tokio::spawn(async move {
                 match tokio::time::timeout(limit, acceptor.accept(stream)).await {
                     Ok(Ok(tls_stream)) => {
-                        let conn = builder.serve_connection(TokioIo::new(tls_stream), svc);
+                        let conn =
+                            builder.serve_connection_with_upgrades(TokioIo::new(tls_stream), svc);
                         if let Err(e) = watcher.watch(conn.into_owned()).await {
                             tracing::debug!(error = %e, "connection ended with an error");
                         }
@@ -107,7 +129,7 @@ pub async fn run(
             });
             continue;
         }
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
         let conn = graceful.watch(conn.into_owned());
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -118,7 +140,7 @@ pub async fn run(
     }
 
     drop(listener);
-    tracing::info!(grace = ?cfg.shutdown_grace, "shutting down: draining connections");
+    tracing::info!(grace = ?cfg.shutdown_grace, "stopped accepting; finishing the requests in flight");
     let drain = async {
         graceful.shutdown().await;
         // Jobs whose client left are not tied to a connection: let them record too.
@@ -133,13 +155,47 @@ pub async fn run(
     Ok(())
 }
 
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).expect("installing a SIGTERM handler");
-    let mut int = signal(SignalKind::interrupt()).expect("installing a SIGINT handler");
+/// The drain of SPEC 8.3: resolves when the listener must stop accepting. On SIGTERM or
+/// SIGINT the gateway is marked draining at once (`/readyz` answers 503, HTTP/1 answers
+/// carry `Connection: close`), and the listener keeps accepting and serving for
+/// `drain_delay`, so load balancers stop sending before it closes; a second signal ends the
+/// delay early. Then [`run`] stops accepting and drains within `shutdown_grace`.
+pub async fn drain_on_signal(mut signals: Signals, gateway: &Gateway, drain_delay: Duration) {
+    signals.recv().await;
+    gateway.readiness().start_draining();
+    if drain_delay.is_zero() {
+        return;
+    }
+    tracing::info!(drain_delay = ?drain_delay, "draining: /readyz answers 503; still accepting and serving until the delay ends");
     tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received"),
-        _ = int.recv() => tracing::info!("SIGINT received"),
+        () = tokio::time::sleep(drain_delay) => {}
+        () = signals.recv() => tracing::info!("second signal: ending the drain delay now"),
+    }
+}
+
+/// SIGTERM and SIGINT, received from the moment they are installed: `serve` installs them
+/// just before it binds, so a signal that comes once the ports accept drains instead of
+/// killing the process, and one stream per signal serves both the first and a second signal.
+pub struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers; must be called inside a Tokio runtime.
+    pub fn install() -> Signals {
+        use tokio::signal::unix::{SignalKind, signal};
+        Signals {
+            term: signal(SignalKind::terminate()).expect("installing a SIGTERM handler"),
+            int: signal(SignalKind::interrupt()).expect("installing a SIGINT handler"),
+        }
+    }
+
+    /// Resolves on the next SIGTERM or SIGINT.
+    async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => tracing::info!("SIGTERM received"),
+            _ = self.int.recv() => tracing::info!("SIGINT received"),
+        }
     }
 }

@@ -3,12 +3,14 @@
 //! - The listener (`server.tls`): a certificate chain and key from PEM files; ALPN offers
 //!   `h2` and `http/1.1`.
 //! - Upstreams (`https://` URLs): verified against the CA file in the upstream's `tls.ca`,
-//!   or the system's bundle (`/etc/ssl/certs/ca-certificates.crt`) without one.
+//!   or without one against the platform's roots (see [`platform_roots`]).
 //! - PostgreSQL (`store.postgres.tls.mode`): `disable`; `require` (encrypted, the server's
 //!   certificate not checked, as libpq's `sslmode=require`); `verify-full` (the chain checked
-//!   against `tls.ca` or the system bundle, and the host name against the certificate).
+//!   against `tls.ca` or the platform's roots, and the host name against the certificate).
 //!
-//! Files are read when the configuration is applied, and a problem names the file.
+//! Files are read when the configuration is applied, and a problem names the file. No
+//! bundle path is hard-coded: the platform's roots are found where the distribution keeps
+//! them, or where `SSL_CERT_FILE` / `SSL_CERT_DIR` say, and finding none is a config error.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -18,9 +20,6 @@ use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
-
-/// The system's CA bundle (Debian and its relatives).
-pub const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
 fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
@@ -62,23 +61,41 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, Strin
     Ok(Arc::new(config))
 }
 
-/// Roots from a CA file, or from the system bundle.
+/// Roots from a CA file, or the platform's roots without one.
 pub fn roots(ca: Option<&Path>) -> Result<RootCertStore, String> {
+    let Some(path) = ca else {
+        return platform_roots();
+    };
     let mut roots = RootCertStore::empty();
-    match ca {
-        Some(path) => {
-            for cert in load_certs(path)? {
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("bad CA certificate in {}: {e}", path.display()))?;
-            }
+    for cert in load_certs(path)? {
+        roots
+            .add(cert)
+            .map_err(|e| format!("bad CA certificate in {}: {e}", path.display()))?;
+    }
+    Ok(roots)
+}
+
+/// The platform's trusted roots: the files named by `SSL_CERT_FILE` and `SSL_CERT_DIR` when
+/// either is set, otherwise the distribution's own store wherever it keeps it (Debian,
+/// Red Hat, Alpine, SUSE... each in its own place; the macOS and Windows stores). Read anew
+/// each time (at load and at each reload), so a renewed bundle is picked up by a reload.
+///
+/// None at all is an error, never an empty store: an empty store refuses every certificate,
+/// and an operator would see only 502s, far from the cause.
+pub fn platform_roots() -> Result<RootCertStore, String> {
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = RootCertStore::empty();
+    let (added, _unusable) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let mut msg = "no trusted roots found; set tls.ca or SSL_CERT_FILE".to_string();
+        if !found.errors.is_empty() {
+            let why: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+            msg.push_str(&format!(" ({})", why.join("; ")));
         }
-        None => {
-            let system = Path::new(SYSTEM_CA_BUNDLE);
-            if system.exists() {
-                let (_added, _ignored) = roots.add_parsable_certificates(load_certs(system)?);
-            }
-        }
+        return Err(msg);
+    }
+    for e in &found.errors {
+        tracing::warn!(error = %e, "some of the platform's certificates could not be read");
     }
     Ok(roots)
 }

@@ -9,15 +9,22 @@
 //! - A row is never `completed` without its whole response in the same statement.
 //! - Every call is bounded in time: it returns [`StoreError`] instead of hanging.
 //!
+//! The protocol these statements make with the gateway's steps (claim, forward, record,
+//! release, delete, expiry) is written as a state machine in `model.rs` and model-checked by
+//! the unit tests, faults included; its doc maps each step to the code.
+//!
 //! Two implementations: [`postgres::PgStore`] (many instances, production) and, with the
 //! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
 //! (`tests/it/conformance.rs`) run the same test bodies against both.
 
+#[cfg(test)]
+mod model;
 pub mod pg_cancel;
 pub mod pg_listener;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
+pub mod wakeups;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,7 +34,7 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use crate::wait::Wakeups;
+use wakeups::Wakeups;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

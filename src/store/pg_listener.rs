@@ -22,7 +22,7 @@ use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::postgres::CHANNEL;
-use crate::wait::Wakeups;
+use super::wakeups::Wakeups;
 
 /// How often a live listener proves again that notifications arrive.
 pub const REPROBE: Duration = Duration::from_secs(30);

@@ -65,6 +65,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
     Store, StoreError,
@@ -73,7 +74,6 @@ use crate::config::{PgTlsMode, Pooler, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use crate::wait::{Wakeups, key_id, slot_id};
 
 /// Migrations in order; each runs once, all in one transaction under an advisory lock.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -178,7 +178,7 @@ const CLAIM_TYPES: &[Type] = &[
     Type::BOOL,
 ];
 
-/// The channel on which finished keys are announced; the payload is [`crate::wait::key_id`].
+/// The channel on which finished keys are announced; the payload is [`super::wakeups::key_id`].
 pub const CHANNEL: &str = "idemgate_keys";
 
 /// The completion of a claimed attempt, fenced by its lease token.

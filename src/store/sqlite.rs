@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
+use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
     Store, StoreError,
@@ -32,7 +33,6 @@ use crate::config::SqliteConfig;
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use crate::wait::{Wakeups, key_id, slot_id};
 
 /// Migrations of the embedded store, applied in order in one transaction.
 /// A migration that mirrors a Postgres one carries its number.

@@ -32,6 +32,14 @@ fn check_accepts_the_example_and_prints_its_routes() {
         "{stdout}"
     );
     assert!(
+        stdout.contains("  idempotency: mode enforce methods POST,PATCH"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("server shutdown: drain_delay 0s then shutdown_grace 30s"),
+        "{stdout}"
+    );
+    assert!(
         !stdout.contains("postgres://"),
         "the database URL (a secret) is not printed"
     );

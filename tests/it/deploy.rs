@@ -105,13 +105,23 @@ fn the_kubernetes_manifests_agree_with_the_config_they_mount() {
     let service = yaml("kubernetes/service.yaml");
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "http");
 
-    // Everything that runs between the pod's removal and SIGKILL fits in the grace period.
+    // Everything that runs between the pod's removal and SIGKILL fits in the grace period:
+    // a preStop sleep if there is one, then drain_delay, then shutdown_grace.
     let grace = seconds(&pod["terminationGracePeriodSeconds"]);
-    let pre_stop = seconds(&c["lifecycle"]["preStop"]["sleep"]["seconds"]);
+    let sleep = &c["lifecycle"]["preStop"]["sleep"]["seconds"];
+    let pre_stop = if sleep.is_null() { 0 } else { seconds(sleep) };
+    let drain = config.server.drain_delay.as_secs();
     let shutdown = config.server.shutdown_grace.as_secs();
     assert!(
-        grace > pre_stop + shutdown,
-        "terminationGracePeriodSeconds {grace} must exceed preStop {pre_stop}s + shutdown_grace {shutdown}s"
+        grace > pre_stop + drain + shutdown,
+        "terminationGracePeriodSeconds {grace} must exceed preStop {pre_stop}s + drain_delay {drain}s + shutdown_grace {shutdown}s"
+    );
+    // The kubelet sees /readyz fail before the listener closes.
+    let readiness = &c["readinessProbe"];
+    let noticed = seconds(&readiness["periodSeconds"]) * seconds(&readiness["failureThreshold"]);
+    assert!(
+        drain >= noticed,
+        "drain_delay {drain}s must cover the readiness probe's period x failureThreshold ({noticed}s)"
     );
 
     // Non-root (the image's user), nothing writable, requests and a memory limit.
@@ -148,6 +158,7 @@ fn exported_names() -> std::collections::BTreeSet<String> {
         .set(0);
     let m = Metrics::new(&store);
     m.request("payments", outcome::FORWARDED);
+    m.observed("payments", idemgate::metrics::observed::WOULD_REPLAY);
     m.lease("payments", "taken_over");
     m.upstream("payments", Duration::from_millis(1));
     m.encode(Format::Text)
@@ -229,12 +240,20 @@ fn promtool_accepts_the_alert_rules_and_their_unit_tests() {
 #[tokio::test]
 async fn promtool_accepts_a_live_gateways_metrics() {
     let up = Upstream::start().await;
-    let gw = TestGateway::with_upstream(&up, "").await;
+    // With an observe route too, so its counters are linted.
+    let shadow = "  - name: shadow\n    match: { path_prefix: /shadow }\n    upstream: app\n    idempotency: { mode: observe }\n  - name: rest\n";
+    let (gw, _) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
+        y.replace("  - name: rest\n", shadow)
+    })
+    .await;
     let c = client();
     post(&c, &gw, "acct", "k1", "x").await;
     post(&c, &gw, "acct", "k1", "x").await;
     post(&c, &gw, "acct", "k1", "other").await;
     send(&c, Method::GET, &gw.url("/plain"), &[], "").await;
+    for _ in 0..2 {
+        post_to(&c, &gw.url("/shadow"), "acct", "k1", "x").await;
+    }
     let url = format!("http://{}/metrics", gw.admin);
 
     // What Prometheus asks for, it gets.
@@ -257,6 +276,10 @@ async fn promtool_accepts_a_live_gateways_metrics() {
         "text/plain; version=0.0.4; charset=utf-8"
     );
     assert!(String::from_utf8_lossy(&text.body).contains("idemgate_requests_total{"));
+    assert!(
+        String::from_utf8_lossy(&text.body)
+            .contains("idemgate_observed_total{route=\"shadow\",outcome=\"would_replay\"} 1\n")
+    );
     let mut child = tokio::process::Command::from(promtool())
         .args(["check", "metrics"])
         .stdin(Stdio::piped())

@@ -1,6 +1,7 @@
 //! The integration tests: one binary, real Postgres, real upstreams, real concurrency.
 
 mod async_commit;
+mod catch_all;
 mod cli;
 mod config_files;
 mod conformance;
@@ -12,6 +13,7 @@ mod embedded_store;
 mod flow;
 mod guarantees;
 mod health;
+mod history;
 mod holes;
 mod hostile_clients;
 mod instances;
@@ -19,6 +21,7 @@ mod lab;
 mod operations;
 mod operator_tools;
 mod replay_cache;
+mod rollout;
 mod row_invariants;
 mod serialize;
 mod status_table;

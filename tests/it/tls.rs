@@ -1,6 +1,7 @@
 //! TLS on each hop, with certificates made by the test: the listener (HTTP/1.1 and h2 by
 //! ALPN), an https upstream, and PostgreSQL (require and verify-full); and an untrusted
-//! certificate refused on each.
+//! certificate refused on each. Without `tls.ca` the platform's roots verify an upstream,
+//! and `SSL_CERT_FILE` names them; none at all is a config error.
 
 use bytes::Bytes;
 use http::{Method, Request, Version};
@@ -9,6 +10,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 
 use crate::support::certs::TestPki;
+use crate::support::process::GatewayProcess;
 use crate::support::*;
 
 type HttpsClient = Client<
@@ -190,5 +192,61 @@ async fn postgres_over_tls_require_and_verify_full_and_a_wrong_ca_is_refused() {
     assert!(
         matches!(refused, Err(idemgate::store::StoreError::Connect(_))),
         "a server certificate from another CA is refused: {refused:?}"
+    );
+}
+
+#[tokio::test]
+async fn without_tls_ca_an_https_upstream_is_verified_against_the_roots_in_ssl_cert_file() {
+    let pki = TestPki::new();
+    let up = Upstream::start_tls(pki.server_config()).await;
+    let db = pg::fresh_database().await;
+    // No `tls.ca`: the platform's roots, which SSL_CERT_FILE names. The variable is set on
+    // the child process only (setting one in this threaded test process is unsound).
+    let yaml = config_yaml(&db, &format!("https://localhost:{}", up.addr.port()), "");
+    let ca = pki.ca.display().to_string();
+    let gw = GatewayProcess::start_with_env(&yaml, &[("SSL_CERT_FILE", &ca)]).await;
+    let c = client();
+    let plain = send(&c, Method::GET, &gw.url("/x"), &[], "").await;
+    assert_eq!(plain.status, 201, "{plain:?}\n{}", gw.log_text());
+    let keyed = post_to(&c, &gw.url("/pay"), "a", "k", "x").await;
+    assert_eq!(keyed.status, 201, "{keyed:?}");
+    assert_eq!(up.executions(), 2);
+
+    // Roots from another CA: the upstream's certificate is refused and nothing is sent.
+    let stranger = TestPki::new();
+    let other = stranger.ca.display().to_string();
+    let gw2 = GatewayProcess::start_with_env(&yaml, &[("SSL_CERT_FILE", &other)]).await;
+    let refused = send(&c, Method::GET, &gw2.url("/x"), &[], "").await;
+    assert_eq!(
+        (refused.status, refused.problem().as_str()),
+        (502, "upstream-unavailable")
+    );
+    assert_eq!(up.executions(), 2);
+}
+
+#[test]
+fn no_trusted_roots_at_all_is_a_config_error_naming_the_field() {
+    let pki = TestPki::new();
+    let empty = pki.dir.join("empty.pem");
+    std::fs::write(&empty, "").unwrap();
+    let config = pki.dir.join("gateway.yaml");
+    std::fs::write(
+        &config,
+        config_yaml("postgres://u@localhost/db", "https://localhost:9443", ""),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["check", "--config"])
+        .arg(&config)
+        .env("SSL_CERT_FILE", &empty)
+        .env_remove("SSL_CERT_DIR")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr
+            .contains("upstreams.app.tls.ca: no trusted roots found; set tls.ca or SSL_CERT_FILE"),
+        "{stderr}"
     );
 }

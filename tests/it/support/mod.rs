@@ -620,6 +620,15 @@ pub async fn wait_for_a_lock_waiter(db: &tokio_postgres::Client) {
     .await;
 }
 
+/// The value of the first sample in a `/metrics` text whose line starts with `line_start`.
+pub fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric line starting with {line_start} in:\n{text}"))
+}
+
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.
 pub async fn wait_until<F, Fut>(what: &str, limit: Duration, mut cond: F)
 where

@@ -13,6 +13,11 @@ pub struct GatewayProcess {
 impl GatewayProcess {
     /// Writes `yaml` and starts `idemgate serve`; listeners on port 0 are bound by the process.
     pub async fn start(yaml: &str) -> GatewayProcess {
+        GatewayProcess::start_with_env(yaml, &[]).await
+    }
+
+    /// As [`start`](Self::start), with more environment variables for the child.
+    pub async fn start_with_env(yaml: &str, env: &[(&str, &str)]) -> GatewayProcess {
         use std::sync::atomic::{AtomicUsize, Ordering};
         static N: AtomicUsize = AtomicUsize::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -22,7 +27,7 @@ impl GatewayProcess {
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let exe = Path::new(env!("CARGO_BIN_EXE_idemgate"));
-        let inner = idemgate::process::GatewayProcess::start(exe, &dir, yaml)
+        let inner = idemgate::process::GatewayProcess::start_with_env(exe, &dir, yaml, env)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         GatewayProcess { inner, dir }
@@ -36,6 +41,17 @@ impl GatewayProcess {
     /// Sends SIGTERM.
     pub fn terminate(&self) {
         self.inner.terminate().unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// Sends SIGHUP: reload the config file.
+    pub fn hangup(&self) {
+        let pid = self.pid().expect("running");
+        let sent = std::process::Command::new("kill")
+            .args(["-HUP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(sent, "kill -HUP failed");
     }
 
     /// Waits for the process to exit, returning whether it exited cleanly.

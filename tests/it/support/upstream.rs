@@ -53,6 +53,8 @@ pub struct Seen {
     pub execution: usize,
     pub method: String,
     pub uri: String,
+    /// The HTTP version the request arrived in.
+    pub version: http::Version,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
@@ -227,6 +229,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         execution: n,
         method: parts.method.to_string(),
         uri: parts.uri.to_string(),
+        version: parts.version,
         headers: parts.headers.clone(),
         body: body.clone(),
     });

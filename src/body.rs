@@ -1,0 +1,151 @@
+//! Request and response bodies on their way through the gateway: a keyed request's body read
+//! within its limit (by `Content-Length` up front, then by count), an upstream response
+//! captured up to `max_stored_response` for the store, and the wrappers that keep a
+//! request's admission (`limits.rs`) until its body is done with.
+//!
+//! Invariants: a body over its limit is never truncated silently: what was read is put back
+//! in front of the unread rest ([`Prefixed`]), so an observe route forwards it whole and a
+//! too-large response reaches its first client whole; captured bytes are counted in the
+//! request's byte reservation as they arrive.
+
+use bytes::Bytes;
+use http::header;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use crate::forward::{Body, UpstreamError, stream};
+use crate::limits::Admission;
+use crate::problem::GatewayError;
+
+/// A keyed request's body as read.
+pub(crate) enum RequestBody {
+    /// All of it, within the route's limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, then the rest, unread, as one body (only an observe
+    /// route forwards it; enforcing refuses it with 413).
+    TooLarge(Body),
+}
+
+/// Reads a keyed request's body up to `limit`: by `Content-Length` up front (a body that
+/// says it is larger is not read at all), then by count.
+pub(crate) async fn read_body(
+    headers: &http::HeaderMap,
+    mut body: Incoming,
+    limit: usize,
+) -> Result<RequestBody, GatewayError> {
+    use hyper::body::Body as _;
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && len > limit as u64
+    {
+        return Ok(RequestBody::TooLarge(stream(body)));
+    }
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| GatewayError::BodyRead(e.to_string()))?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            if buf.len() > limit {
+                let rest = Prefixed {
+                    head: Some(buf.freeze()),
+                    rest: body,
+                };
+                return Ok(RequestBody::TooLarge(rest.boxed_unsync()));
+            }
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    Ok(RequestBody::Whole(buf.freeze()))
+}
+
+/// A response body that holds its request's admission until it is done with.
+pub(crate) struct Admitted {
+    pub(crate) body: Body,
+    pub(crate) _admission: Admission,
+}
+
+impl hyper::body::Body for Admitted {
+    type Data = Bytes;
+    type Error = crate::forward::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// An upstream body, read as far as the store limit allows.
+pub(crate) enum Captured {
+    /// A retryable status: not read at all.
+    PassOn(Incoming),
+    /// The whole body, within the limit.
+    Whole(Bytes),
+    /// Over the limit: what was read, and the rest still streaming.
+    TooLarge { head: Bytes, rest: Incoming },
+}
+
+/// Reads an upstream body up to `limit`, counting what it holds in `held` on top of the
+/// request body already counted there.
+pub(crate) async fn read_capped(
+    mut body: Incoming,
+    limit: usize,
+    held: &mut crate::limits::Reservation,
+) -> Result<Captured, UpstreamError> {
+    use hyper::body::Body as _;
+    let base = held.bytes();
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
+        if let Ok(data) = frame.into_data() {
+            buf.extend_from_slice(&data);
+            held.resize(base + buf.len());
+            if buf.len() > limit {
+                return Ok(Captured::TooLarge {
+                    head: buf.freeze(),
+                    rest: body,
+                });
+            }
+        }
+        if body.is_end_stream() {
+            break;
+        }
+    }
+    Ok(Captured::Whole(buf.freeze()))
+}
+
+/// A body that yields bytes already read, then the rest of an upstream body.
+pub(crate) struct Prefixed {
+    pub(crate) head: Option<Bytes>,
+    pub(crate) rest: Incoming,
+}
+
+impl hyper::body::Body for Prefixed {
+    type Data = Bytes;
+    type Error = crate::forward::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        if let Some(head) = self.head.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
+        }
+        std::pin::Pin::new(&mut self.rest)
+            .poll_frame(cx)
+            .map_err(|e| Box::new(e) as Self::Error)
+    }
+}

@@ -1,0 +1,239 @@
+//! Forward, record, retry: a claimed keyed request from its forward to its recorded outcome
+//! (SPEC section 2, steps 5-7), inside the request's own task.
+//!
+//! Invariants:
+//! - The outcome is written fenced by the lease token; a write that finds the lease taken
+//!   over changes nothing, is counted (`lost`) and logged, and the client still gets what
+//!   the upstream said.
+//! - A storable answer is committed before it is returned (guarantee 3); the completion is
+//!   retried while the lease surely lasts, and never started past it.
+//! - Nothing sent (a connect or DNS failure): the key is released, whatever the route's
+//!   `on_unknown_outcome`. Something sent and no answer: released (`reforward`) or held
+//!   (`hold`).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
+
+use crate::body::{Captured, Prefixed, read_capped};
+use crate::config::{Idempotency, Mode, OnUnknownOutcome};
+use crate::forward::{Body, UpstreamError, clean_response_headers, full, stream};
+use crate::gateway::{Gateway, Routing, in_flight_error};
+use crate::limits::Admission;
+use crate::problem::GatewayError;
+use crate::replay::StoredResponse;
+use crate::store::{LeaseToken, Outcome, StoreError};
+use crate::wait::key_id;
+
+/// A claimed request on its way to the upstream, detached from the client connection.
+pub(crate) struct ForwardJob {
+    pub(crate) gateway: Arc<Gateway>,
+    /// The configuration the request started with (a reload does not change it midway).
+    pub(crate) routing: Arc<Routing>,
+    pub(crate) route: String,
+    pub(crate) scope: String,
+    pub(crate) key: String,
+    pub(crate) token: LeaseToken,
+    /// Local time by which the lease has surely ended; no write is attempted after it.
+    pub(crate) lease_ends: Instant,
+    /// The upstream slot and buffered bytes; a captured response is added as it arrives.
+    pub(crate) admission: Admission,
+}
+
+/// How many times a completion is attempted before the client is told it failed.
+const FINISH_ATTEMPTS: u32 = 3;
+
+impl ForwardJob {
+    /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
+    /// Runs inside the keyed request's own task, so a client that goes away does not stop
+    /// it. Also sets how long the upstream took, when it was called.
+    pub(crate) async fn run(
+        mut self,
+        request: Request<Body>,
+        took: &mut Option<Duration>,
+    ) -> Result<Response<Body>, GatewayError> {
+        let routing = Arc::clone(&self.routing);
+        let (_, idem, _) = routing
+            .route(&self.route)
+            .expect("the route of a claimed request exists");
+        let gateway = Arc::clone(&self.gateway);
+        let store = gateway.store.as_ref();
+        let held = match idem.serialize {
+            // Serializing is enforcement: an observe route forwards at once.
+            None => None,
+            Some(_) if idem.mode == Mode::Observe => None,
+            Some(ser) => {
+                // The forward and its recording must fit in what is left of the lease.
+                let (_, _, upstream) = routing
+                    .route(&self.route)
+                    .expect("the route of a claimed request exists");
+                let last_start = self.lease_ends
+                    - upstream.config.timeout
+                    - self.routing.config.store.record_bound() * 2;
+                let got = gateway
+                    .serializer
+                    .acquire(store, &self.scope, ser, idem.lease, last_start)
+                    .await;
+                match got {
+                    Ok(Some(held)) => Some(held),
+                    Ok(None) | Err(_) => {
+                        // Nothing was forwarded: give the key back so a retry can go through.
+                        if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                            tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
+                        }
+                        return Err(match got {
+                            Err(e) => GatewayError::Store(e),
+                            _ => in_flight_error(),
+                        });
+                    }
+                }
+            }
+        };
+        let result = self.forward(request, took).await;
+        if let Some(held) = held {
+            held.release(store).await;
+        }
+        result
+    }
+
+    /// Forwards once and records the outcome.
+    async fn forward(
+        &mut self,
+        request: Request<Body>,
+        took: &mut Option<Duration>,
+    ) -> Result<Response<Body>, GatewayError> {
+        let (_, idem, upstream) = self
+            .routing
+            .route(&self.route)
+            .expect("the route of a claimed request exists");
+        let started = Instant::now();
+        let limit = idem.max_stored_response;
+        let held = &mut self.admission.bytes;
+        let exchange = async {
+            let resp = upstream.send(request).await?;
+            let (parts, body) = resp.into_parts();
+            if idem.retry_statuses.contains(parts.status.as_u16()) {
+                return Ok((parts, Captured::PassOn(body)));
+            }
+            let captured = read_capped(body, limit, held).await?;
+            Ok::<_, UpstreamError>((parts, captured))
+        };
+        let result = match tokio::time::timeout(upstream.config.timeout, exchange).await {
+            Ok(r) => r,
+            Err(_) => Err(UpstreamError::Timeout),
+        };
+        *took = Some(started.elapsed());
+        match result {
+            Err(UpstreamError::Connect(e)) => {
+                self.finish(Outcome::Release, idem.ttl).await.ok();
+                Err(GatewayError::UpstreamUnavailable(e))
+            }
+            Err(e) => {
+                let outcome = match idem.on_unknown_outcome {
+                    OnUnknownOutcome::Reforward => Outcome::Release,
+                    OnUnknownOutcome::Hold => Outcome::Unknown,
+                };
+                if let Err(se) = self.finish(outcome, idem.ttl).await {
+                    tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
+                }
+                Err(match e {
+                    UpstreamError::Timeout => GatewayError::UpstreamTimeout,
+                    UpstreamError::Failed(msg) | UpstreamError::Connect(msg) => {
+                        GatewayError::UpstreamFailed(msg)
+                    }
+                })
+            }
+            Ok((mut parts, Captured::PassOn(body))) => {
+                // A retryable status: release, so a retry forwards again, then pass it on.
+                if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                    tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
+                }
+                clean_response_headers(&mut parts.headers);
+                Ok(Response::from_parts(parts, stream(body)))
+            }
+            Ok((mut parts, Captured::Whole(bytes))) => {
+                clean_response_headers(&mut parts.headers);
+                let stored = StoredResponse::capture(
+                    parts.status,
+                    &parts.headers,
+                    &idem.replay_headers,
+                    bytes.clone(),
+                );
+                self.settle(Outcome::Completed(stored), idem).await?;
+                tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
+                Ok(Response::from_parts(parts, full(bytes)))
+            }
+            Ok((mut parts, Captured::TooLarge { head, rest })) => {
+                self.settle(
+                    Outcome::NotReplayable {
+                        status: parts.status.as_u16(),
+                    },
+                    idem,
+                )
+                .await?;
+                clean_response_headers(&mut parts.headers);
+                let body = Prefixed {
+                    head: Some(head),
+                    rest,
+                };
+                Ok(Response::from_parts(parts, body.boxed_unsync()))
+            }
+        }
+    }
+
+    /// Records a final outcome before its answer is passed on. Enforcing, the answer depends
+    /// on it ([`record`](Self::record)); an observe route tries once and passes the answer on
+    /// whatever happens, since store trouble never blocks it (a key not recorded stays in
+    /// flight until its lease ends, so its duplicates count as `would_wait` meanwhile).
+    async fn settle(&self, outcome: Outcome, idem: &Idempotency) -> Result<(), GatewayError> {
+        if idem.mode == Mode::Enforce {
+            return self.record(outcome, idem.ttl).await.map(drop);
+        }
+        if let Err(e) = self.finish(outcome, idem.ttl).await {
+            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
+        }
+        Ok(())
+    }
+
+    /// Records a final outcome, retried a little while the lease lasts; the answer depends on
+    /// it (guarantee 3). A retry that could end after the lease is not started: past it,
+    /// another attempt may own the key.
+    async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
+        let mut last = None;
+        let bound = self.routing.config.store.record_bound();
+        for attempt in 0..FINISH_ATTEMPTS {
+            if attempt > 0 && Instant::now() + bound >= self.lease_ends {
+                break;
+            }
+            match self.finish(outcome.clone(), ttl).await {
+                Ok(written) => return Ok(written),
+                Err(e) => {
+                    tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
+                    last = Some(e);
+                    tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
+                }
+            }
+        }
+        Err(GatewayError::StoreAfterForward(
+            last.expect("at least one attempt failed"),
+        ))
+    }
+
+    /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
+    /// our client still gets what the upstream said.
+    async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
+        let written = self
+            .gateway
+            .store
+            .finish(&self.scope, &self.key, &self.token, outcome, ttl)
+            .await?;
+        if !written {
+            self.gateway.metrics.lease(&self.route, "lost");
+            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
+        }
+        Ok(written)
+    }
+}

@@ -1,0 +1,439 @@
+//! Rollout and shutdown (SPEC 8.3), on the real binary: `mode: observe` forwards everything,
+//! records first attempts as `enforce` would and counts what enforcing would have done; a
+//! switch to `enforce` replays what observe recorded. `server.drain_delay` fails `/readyz` at
+//! once and keeps serving new connections until the delay ends; `/readyz` stays 200 through
+//! a store outage once the store has been ready.
+
+use std::time::{Duration, Instant};
+
+use http::Method;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::process::GatewayProcess;
+use crate::support::*;
+
+/// The default test routes with `idem` on the keyed one, and an admin listener; returns the
+/// YAML and the admin address.
+fn with_admin(yaml: String) -> (String, String) {
+    let admin = format!("127.0.0.1:{}", pg::free_port());
+    (format!("{yaml}admin: {{ listen: \"{admin}\" }}\n"), admin)
+}
+
+async fn admin_get(admin: &str, path: &str) -> Reply {
+    send(
+        &client(),
+        Method::GET,
+        &format!("http://{admin}{path}"),
+        &[],
+        "",
+    )
+    .await
+}
+
+async fn metrics(admin: &str) -> String {
+    String::from_utf8_lossy(&admin_get(admin, "/metrics").await.body).to_string()
+}
+
+fn observed(text: &str, outcome: &str) -> f64 {
+    metric(
+        text,
+        &format!("idemgate_observed_total{{route=\"payments\",outcome=\"{outcome}\"}}"),
+    )
+}
+
+fn requests(text: &str, outcome: &str) -> f64 {
+    metric(
+        text,
+        &format!("idemgate_requests_total{{route=\"payments\",outcome=\"{outcome}\"}}"),
+    )
+}
+
+/// The one log line that says what enforcing would have done with `key_id`'s request.
+fn observed_line(log: &str, would: &str, key_id: &str) -> bool {
+    log.lines()
+        .any(|l| l.contains("observe:") && l.contains(would) && l.contains(key_id))
+}
+
+#[tokio::test]
+async fn observe_forwards_every_duplicate_counts_what_enforcing_would_have_done_and_enforce_then_replays()
+ {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1500),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let (yaml, admin) = with_admin(config_yaml(&db, &up.url(), "mode: observe"));
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let url = gw.url("/pay");
+
+    // Before any traffic the three series exist at 0: a rate reads 0, not "no data".
+    let before = metrics(&admin).await;
+    for would in ["would_replay", "would_wait", "would_mismatch"] {
+        assert_eq!(observed(&before, would), 0.0, "{would}");
+    }
+
+    // A duplicate while the first is in flight: forwarded at once, not waited for.
+    let first = in_flight(&url, &up, "a", "k1", "order-1").await;
+    let during = post_to(&c, &url, "a", "k1", "order-1").await;
+    let first = first.await.unwrap();
+    assert_eq!((first.status, during.status), (201, 201));
+    assert!(!first.replayed() && !during.replayed());
+    assert_eq!(
+        up.max_concurrency(),
+        2,
+        "the duplicate ran beside the first"
+    );
+    assert_eq!(first.json()["execution"], 1);
+    assert_eq!(during.json()["execution"], 2);
+
+    // A duplicate after completion: forwarded again, never replayed.
+    let again = post_to(&c, &url, "a", "k1", "order-1").await;
+    assert_eq!((again.status, again.replayed()), (201, false));
+    assert_eq!(again.json()["execution"], 3);
+    // The same key with another body: forwarded, never 422.
+    let other = post_to(&c, &url, "a", "k1", "order-2").await;
+    assert_eq!((other.status, other.replayed()), (201, false));
+    assert_eq!(up.executions(), 4, "every request reached the upstream");
+
+    // The first answer was recorded as enforce records it, and nothing overwrote it.
+    let row = sql(&db)
+        .await
+        .query_one(
+            "SELECT state, body, attempts FROM idemgate_keys WHERE key = 'k1'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>(0), "completed");
+    assert_eq!(row.get::<_, Vec<u8>>(1), first.body.to_vec());
+    assert_eq!(row.get::<_, i32>(2), 1);
+
+    let text = metrics(&admin).await;
+    assert_eq!(observed(&text, "would_wait"), 1.0);
+    assert_eq!(observed(&text, "would_replay"), 1.0);
+    assert_eq!(observed(&text, "would_mismatch"), 1.0);
+    assert_eq!(requests(&text, "forwarded"), 1.0);
+    assert_eq!(requests(&text, "observed"), 3.0);
+
+    // Each is logged with the key's id (its hash), never the key itself.
+    let id = idemgate::wait::key_id(&scoped("a"), "k1");
+    wait_until(
+        "the three observations are logged",
+        Duration::from_secs(10),
+        || async {
+            let log = gw.log_text();
+            ["would_wait", "would_replay", "would_mismatch"]
+                .iter()
+                .all(|would| observed_line(&log, would, &id))
+        },
+    )
+    .await;
+
+    // Switch the same file to enforce: what observe recorded is replayed, byte for byte.
+    let text = std::fs::read_to_string(&gw.config).unwrap();
+    std::fs::write(&gw.config, text.replace("mode: observe", "mode: enforce")).unwrap();
+    gw.hangup();
+    wait_until("the reload is logged", Duration::from_secs(10), || async {
+        gw.log_text().contains("configuration reloaded")
+    })
+    .await;
+    let replay = post_to(&c, &url, "a", "k1", "order-1").await;
+    assert_eq!(replay.status, 201);
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body, "the first answer, byte for byte");
+    let mismatch = post_to(&c, &url, "a", "k1", "order-2").await;
+    assert_eq!(
+        (mismatch.status, mismatch.problem().as_str()),
+        (422, "fingerprint-mismatch")
+    );
+    assert_eq!(up.executions(), 4, "enforcing forwards neither");
+    gw.kill();
+}
+
+/// A chunked keyed POST over raw TCP (no `Content-Length`): `chunks` chunks of 1000 bytes.
+async fn chunked_post(gw: &GatewayProcess, key: &str, chunks: usize) -> String {
+    let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "POST /pay HTTP/1.1\r\nHost: gw\r\nIdempotency-Key: {key}\r\nX-Account-Id: a\r\n\
+         Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(head.as_bytes()).await.unwrap();
+    for _ in 0..chunks {
+        s.write_all(format!("3e8\r\n{}\r\n", "x".repeat(1000)).as_bytes())
+            .await
+            .unwrap();
+    }
+    s.write_all(b"0\r\n\r\n").await.unwrap();
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out))
+        .await
+        .expect("an answer within 30 s")
+        .unwrap();
+    String::from_utf8_lossy(&out).to_string()
+}
+
+#[tokio::test]
+async fn observe_never_blocks_a_request_it_cannot_key_an_oversized_body_or_store_trouble() {
+    let cluster = pg::Cluster::start_async().await;
+    let db = cluster.new_database().await;
+    let up = Upstream::start().await;
+    let (yaml, admin) = with_admin(config_yaml(
+        &db,
+        &up.url(),
+        "mode: observe\n      required: true\n      max_request_body: 1KiB",
+    ));
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let url = gw.url("/pay");
+
+    // Requests enforcing would refuse before any claim are forwarded without idempotency.
+    let no_key = send(&c, Method::POST, &url, &[("x-account-id", "a")], "x").await;
+    assert_eq!(no_key.status, 201);
+    let bad_key = post_to(&c, &url, "a", "has space", "x").await;
+    assert_eq!(bad_key.status, 201);
+    let big = post_to(&c, &url, "a", "big-1", &"x".repeat(4096)).await;
+    assert_eq!(big.status, 201);
+    assert_eq!(big.json()["received_bytes"], 4096, "forwarded whole");
+    // Chunked, found over the limit while reading: what was read and the rest, in order.
+    let chunked = chunked_post(&gw, "big-2", 3).await;
+    assert!(chunked.starts_with("HTTP/1.1 201"), "{chunked}");
+    assert!(chunked.contains("\"received_bytes\":3000"), "{chunked}");
+    assert_eq!(up.executions(), 4);
+    assert_eq!(
+        up.seen()[3].body,
+        "x".repeat(3000).as_bytes(),
+        "the upstream got the body as sent"
+    );
+    let text = metrics(&admin).await;
+    assert_eq!(requests(&text, "key_missing"), 1.0);
+    assert_eq!(requests(&text, "key_invalid"), 1.0);
+    assert_eq!(requests(&text, "body_too_large"), 2.0);
+    let keys: i64 = sql(&db)
+        .await
+        .query_one("SELECT count(*) FROM idemgate_keys", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(keys, 0, "none of them was claimed");
+
+    // The store dies while a first attempt is at the upstream: its answer cannot be
+    // recorded, and the client gets it anyway (enforcing would answer 503).
+    up.set(Behavior {
+        delay: Duration::from_millis(1500),
+        ..Default::default()
+    });
+    let first = in_flight(&url, &up, "a", "k-outage", "x").await;
+    let cluster = cluster.crashed().await;
+    let first = first.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false));
+
+    // With the store down, keyed requests are forwarded without a claim: never a 503.
+    up.set(Behavior::default());
+    let before = up.executions();
+    for i in 0..3 {
+        let r = post_to(&c, &url, "a", &format!("down-{i}"), "x").await;
+        assert_eq!(r.status, 201, "{r:?}");
+        assert!(
+            !r.headers.contains_key("idempotency-status"),
+            "observe answers carry no gateway header"
+        );
+    }
+    assert_eq!(up.executions(), before + 3);
+    let text = metrics(&admin).await;
+    assert_eq!(requests(&text, "bypassed"), 3.0);
+    let log = gw.log_text();
+    assert!(
+        log.contains("observe: the answer could not be recorded; passed on anyway"),
+        "{log}"
+    );
+    assert!(
+        log.contains("observe: the store cannot claim; forwarded without idempotency"),
+        "{log}"
+    );
+    drop(cluster);
+    gw.kill();
+}
+
+#[tokio::test]
+async fn sigterm_with_a_drain_delay_fails_readyz_at_once_and_serves_new_connections_until_the_delay_ends()
+ {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let delay = Duration::from_secs(2);
+    let (yaml, admin) = with_admin(
+        config_yaml(&db, &up.url(), "")
+            .replace("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 2s"),
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let ready = admin_get(&admin, "/readyz").await;
+    assert_eq!(
+        (ready.status, &ready.json()["status"]),
+        (200, &"ready".into())
+    );
+
+    // Taken before the signal is sent: every time measured from it is an upper bound.
+    let signalled = Instant::now();
+    gw.terminate();
+    // Not ready at once: well within the delay.
+    let admin_url = admin.clone();
+    wait_until("/readyz answers 503", delay / 2, || async {
+        admin_get(&admin_url, "/readyz").await.status == 503
+    })
+    .await;
+    let draining = admin_get(&admin, "/readyz").await;
+    assert_eq!(draining.json()["status"], "draining");
+
+    // A new connection (a fresh client) is still accepted and served, keyed or not, and
+    // told not to keep the connection.
+    let keyed = post_to(&client(), &gw.url("/pay"), "a", "during-drain", "x").await;
+    let plain = send(&client(), Method::GET, &gw.url("/plain"), &[], "").await;
+    assert!(
+        signalled.elapsed() < delay,
+        "served within the delay ({:?})",
+        signalled.elapsed()
+    );
+    for r in [&keyed, &plain] {
+        assert_eq!(r.status, 201, "{r:?}");
+        assert_eq!(r.headers["connection"], "close");
+    }
+    assert_eq!(up.executions(), 2);
+
+    // After the delay, new connections are refused; the process exits 0.
+    let addr = gw.addr;
+    wait_until(
+        "new connections are refused",
+        Duration::from_secs(10),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    assert!(
+        signalled.elapsed() >= delay,
+        "the listener stayed open for the whole delay ({:?})",
+        signalled.elapsed()
+    );
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "exit 0:\n{}",
+        gw.log_text()
+    );
+    let state: String = sql(&db)
+        .await
+        .query_one(
+            "SELECT state FROM idemgate_keys WHERE key = 'during-drain'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        state, "completed",
+        "served during the drain, stored as usual"
+    );
+}
+
+#[tokio::test]
+async fn a_second_signal_ends_the_drain_delay_early() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let (yaml, admin) = with_admin(
+        config_yaml(&db, &up.url(), "")
+            .replace("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 60s"),
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    gw.terminate();
+    wait_until("/readyz answers 503", Duration::from_secs(10), || async {
+        admin_get(&admin, "/readyz").await.status == 503
+    })
+    .await;
+    // The image's HEALTHCHECK says why.
+    let health = idemgate_health(&admin).await;
+    assert_eq!(health.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&health.stderr)
+            .contains("answered 503 Service Unavailable: draining"),
+        "{health:?}"
+    );
+    let second = Instant::now();
+    gw.terminate();
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "exit 0:\n{}",
+        gw.log_text()
+    );
+    assert!(second.elapsed() < Duration::from_secs(10));
+    assert!(
+        gw.log_text()
+            .contains("second signal: ending the drain delay now")
+    );
+}
+
+#[tokio::test]
+async fn readyz_fails_until_the_store_is_first_ready_then_stays_200_through_an_outage_and_says_so()
+{
+    let cluster = pg::Cluster::start_async().await;
+    let db = cluster.new_database().await;
+    let cluster = cluster.crashed().await;
+    let up = Upstream::start().await;
+    let (yaml, admin) = with_admin(config_yaml(&db, &up.url(), ""));
+    // Started with its store down: not ready, so a rollout would not replace working
+    // instances with it.
+    let gw = GatewayProcess::start(&yaml).await;
+    let starting = admin_get(&admin, "/readyz").await;
+    assert_eq!(starting.status, 503);
+    assert_eq!(starting.json()["status"], "not ready");
+
+    let cluster = cluster.restarted().await;
+    let admin_url = admin.clone();
+    wait_until(
+        "ready once the store answers and is migrated",
+        Duration::from_secs(30),
+        || async { admin_get(&admin_url, "/readyz").await.status == 200 },
+    )
+    .await;
+
+    // The store goes down again: every instance shares the outage, so /readyz stays 200 and
+    // says so, while plain routes serve and keyed ones answer 503 store-unavailable.
+    let _cluster = cluster.crashed().await;
+    let c = client();
+    let plain = send(&c, Method::GET, &gw.url("/plain"), &[], "").await;
+    assert_eq!(plain.status, 201);
+    let keyed = post_to(&c, &gw.url("/pay"), "a", "k", "x").await;
+    assert_eq!(
+        (keyed.status, keyed.problem().as_str()),
+        (503, "store-unavailable")
+    );
+    let started = Instant::now();
+    let degraded = admin_get(&admin, "/readyz").await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "answered within a probe's timeout ({:?})",
+        started.elapsed()
+    );
+    assert_eq!(degraded.status, 200, "{degraded:?}");
+    let body = degraded.json();
+    assert_eq!(body["status"], "degraded");
+    assert_eq!(body["store"], "unavailable");
+    assert!(body["reason"].as_str().is_some_and(|r| !r.is_empty()));
+    assert!(
+        !String::from_utf8_lossy(&degraded.body).contains("postgres://"),
+        "the database URL (a secret) is not printed"
+    );
+    // The image's HEALTHCHECK stays healthy, and says the store is down.
+    let health = idemgate_health(&admin).await;
+    assert_eq!(health.status.code(), Some(0), "{health:?}");
+    assert!(
+        String::from_utf8_lossy(&health.stdout).starts_with("ready (degraded: "),
+        "{health:?}"
+    );
+}
+
+/// `idemgate health --url` on an admin listener's `/readyz`.
+async fn idemgate_health(admin: &str) -> std::process::Output {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        .args(["health", "--url", &format!("http://{admin}/readyz")])
+        .output()
+        .await
+        .unwrap()
+}
