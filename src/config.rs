@@ -708,6 +708,17 @@ impl Config {
                 ));
             }
         }
+        if let StoreConfig::Postgres(pg) = &self.store
+            && pg.pooler == Pooler::Transaction
+            && pg.listen_url == pg.url
+        {
+            out.push(
+                "store.postgres.pooler is 'transaction' but store.postgres.listen_url is not \
+                 set: the wake-up listener goes through the pooler, which does not deliver \
+                 notifications, so waiters will poll; point listen_url at PostgreSQL itself"
+                    .into(),
+            );
+        }
         out
     }
 
@@ -1799,6 +1810,20 @@ routes:
             .starts_with("store.postgres.listen_url: not a valid PostgreSQL connection string"),
             "the listen URL is checked like the URL, and never echoed"
         );
+        let warned = |yaml: &str| {
+            Config::from_yaml(yaml)
+                .unwrap()
+                .warnings()
+                .iter()
+                .any(|w| w.contains("listen_url is not set"))
+        };
+        let without_listen = MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            "url: \"postgres://u@bouncer:6432/db\", pooler: transaction",
+        );
+        assert_ne!(without_listen, MINIMAL);
+        assert!(warned(&without_listen), "a pooled listener is warned about");
+        assert!(!warned(MINIMAL), "a direct session is not");
     }
 
     #[test]

@@ -430,7 +430,18 @@ fn pg_error(e: tokio_postgres::Error) -> StoreError {
         fatal || d.code().code().starts_with("08")
     });
     if e.is_closed() || io || session_ended {
-        return StoreError::Connect(crate::forward::error_chain(&e));
+        let mut why = crate::forward::error_chain(&e);
+        // PgBouncer refuses the `options` startup parameter that a direct session sends:
+        // say which field fixes it (the classification above never reads the message).
+        if e.as_db_error()
+            .is_some_and(|d| d.message().starts_with("unsupported startup parameter"))
+        {
+            why.push_str(
+                " (is store.postgres.url a pooler in transaction mode? set \
+                 store.postgres.pooler: transaction)",
+            );
+        }
+        return StoreError::Connect(why);
     }
     StoreError::Db(crate::forward::error_chain(&e))
 }
@@ -494,13 +505,6 @@ impl PgStore {
             .recycle_timeout(Some(cfg.acquire_timeout))
             .build()
             .map_err(|e| StoreError::Db(e.to_string()))?;
-        if cfg.pooler == Pooler::Transaction && cfg.listen_url == cfg.url {
-            tracing::warn!(
-                "store.postgres.pooler is 'transaction' but listen_url is not set: the wake-up \
-                 listener goes through the pooler, which does not deliver notifications, so \
-                 waiters will poll; point listen_url at PostgreSQL itself"
-            );
-        }
         Ok(PgStore {
             pool,
             pg,

@@ -217,3 +217,36 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
         "{ok} stored + {unrecorded} unrecorded + {probes_ok} probe; {refused} refused"
     );
 }
+
+/// A pooler in transaction mode configured as a direct session (`pooler` left out): PgBouncer
+/// refuses the session's startup options, so the store is unreachable, and the reason names
+/// the field that fixes it.
+#[tokio::test]
+async fn a_pooler_configured_as_a_direct_session_is_refused_naming_the_field() {
+    let up = Upstream::start().await;
+    let (direct, pooled) = crate::support::pgbouncer::fresh_database().await;
+    let yaml = config_yaml(&pooled, &up.url(), "");
+    assert!(
+        yaml.contains(&pooled),
+        "the store block points at the pooler"
+    );
+    let config = idemgate::config::Config::from_yaml(&yaml).expect("config");
+    let idemgate::config::StoreConfig::Postgres(pg) = &config.store else {
+        panic!("a postgres store");
+    };
+    let store = idemgate::store::postgres::PgStore::new(pg).expect("store");
+    let why = match store.migrate().await {
+        Err(idemgate::store::StoreError::Connect(why)) => why,
+        other => panic!("expected the pooler to refuse the session, got {other:?}"),
+    };
+    assert!(why.contains("unsupported startup parameter"), "{why}");
+    assert!(why.contains("store.postgres.pooler: transaction"), "{why}");
+    // The same database directly, for contrast: the settings are otherwise right.
+    let yaml = config_yaml(&direct, &up.url(), "");
+    let config = idemgate::config::Config::from_yaml(&yaml).expect("config");
+    let idemgate::config::StoreConfig::Postgres(pg) = &config.store else {
+        panic!("a postgres store");
+    };
+    let store = idemgate::store::postgres::PgStore::new(pg).expect("store");
+    store.migrate().await.expect("the direct session migrates");
+}
