@@ -5,11 +5,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use tokio::net::TcpListener;
-
+use crate::app::{App, Listeners};
 use crate::config::{Config, ConfigError, PathMatch, ScopeSource, StoreConfig, fmt_duration};
-use crate::gateway::Gateway;
-use crate::store::postgres::PgStore;
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -42,195 +39,30 @@ impl CommandError {
 /// Opens the configured store. Postgres connects lazily (this succeeds with it down); the
 /// embedded store opens its file and takes its one-instance lock now.
 pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
-    match &config.store {
-        StoreConfig::Postgres(pg) => Ok(Arc::new(PgStore::new(pg)?)),
-        #[cfg(feature = "sqlite")]
-        StoreConfig::Sqlite(sq) => Ok(Arc::new(crate::store::sqlite::SqliteStore::open(sq)?)),
-        #[cfg(not(feature = "sqlite"))]
-        StoreConfig::Sqlite(_) => Err(CommandError::Other(
-            "this build has no embedded store".into(),
-        )),
-    }
+    crate::app::open(config).map(|(store, _)| store)
 }
 
-/// `idemgate serve`: migrate, then serve until SIGTERM/SIGINT; SIGHUP reloads `path`.
-/// `config` is `path` already loaded (the caller set up logging from it).
+/// `idemgate serve`: build the app on the configured addresses, then serve until
+/// SIGTERM/SIGINT (after `server.drain_delay`); SIGHUP reloads `path`. `config` is `path`
+/// already loaded (the caller set up logging from it).
 pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
-    for warning in config.warnings() {
-        tracing::warn!("{warning}");
-    }
-    let config = Arc::new(config);
-    let store = open_store(&config)?;
-    // Check and migrate the store before serving when it answers; when it does not, serve
-    // anyway (keyed requests get 503 store-unavailable, /readyz says not ready) and keep
-    // trying, so a gateway started during a database outage recovers by itself instead of
-    // crash-looping. A store that answers but may lose commits (SPEC 8.4) is a configuration
-    // error, not an outage: refuse to start, or stop once it is found.
-    let (refused_tx, refused_rx) = tokio::sync::oneshot::channel::<StoreError>();
-    let prepared = match prepare_store(store.as_ref()).await {
-        Ok(()) => {
-            tracing::info!("migrations applied");
-            true
-        }
-        Err(e @ StoreError::NotDurable(_)) => return Err(e.into()),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot check the store or apply migrations yet; serving and retrying in the background");
-            false
-        }
-    };
-    store.start_background();
+    // Before anything can take long, so a signal during start-up is not lost.
     let signals = crate::server::Signals::install();
-    let listener = TcpListener::bind(config.listen).await?;
-    let admin = match &config.admin {
-        Some(a) => Some(TcpListener::bind(a.listen).await?),
-        None => None,
-    };
-    tracing::info!(listen = %listener.local_addr()?, routes = config.routes.len(), "idemgate serving");
+    let listeners = Listeners::bind(&config).await?;
+    let app = App::build(config, listeners)
+        .await?
+        .reload_on_sighup(path.to_path_buf());
+    tracing::info!(listen = %app.local_addr(), routes = app.config().routes.len(), "idemgate serving");
     // On stdout whatever the log filter, so a supervisor (or a test) that asked for port 0
     // learns the bound address.
-    println!("idemgate: listening on {}", listener.local_addr()?);
-    if let Some(admin) = &admin {
-        println!("idemgate: admin on {}", admin.local_addr()?);
+    println!("idemgate: listening on {}", app.local_addr());
+    if let Some(admin) = app.admin_addr() {
+        println!("idemgate: admin on {admin}");
     }
-    let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
-    if prepared {
-        gateway.readiness().store_ready();
-    } else {
-        tokio::spawn(prepare_until_done(
-            Arc::clone(&store),
-            Arc::clone(&gateway),
-            refused_tx,
-        ));
-    }
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    if let Some(admin) = admin {
-        tracing::info!(listen = %admin.local_addr()?, "admin API serving");
-        let mut rx = stop_rx.clone();
-        tokio::spawn(crate::admin::run(admin, Arc::clone(&gateway), async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }));
-    }
-    tokio::spawn(gc_loop(
-        Arc::clone(&store),
-        config.gc.clone(),
-        stop_rx.clone(),
-    ));
-    tokio::spawn(reload_on_sighup(path.to_path_buf(), Arc::clone(&gateway)));
-    let refused = Arc::new(std::sync::Mutex::new(None));
-    let shutdown = {
-        let refused = Arc::clone(&refused);
-        let gateway = Arc::clone(&gateway);
-        let drain_delay = config.server.drain_delay;
-        async move {
-            tokio::select! {
-                // /readyz fails at once; the listener keeps serving for drain_delay.
-                () = crate::server::drain_on_signal(signals, &gateway, drain_delay) => {}
-                // Only sent on a refusal; a sender dropped after success disables this arm.
-                // A database that may lose commits is left at once, without the delay.
-                Ok(e) = refused_rx => {
-                    gateway.readiness().start_draining();
-                    *refused.lock().expect("refusal lock") = Some(e);
-                }
-            }
-        }
-    };
-    let served = crate::server::run(listener, gateway, config.server.clone(), shutdown).await;
-    let _ = stop_tx.send(true);
-    if let Some(e) = refused.lock().expect("refusal lock").take() {
-        return Err(e.into());
-    }
-    served.map_err(CommandError::Other)
-}
-
-/// What `serve` needs of the store before keyed requests can be trusted to it: that it keeps
-/// its commits (checked first, so a refused database is left untouched), and the migrations.
-async fn prepare_store(store: &dyn Store) -> Result<(), StoreError> {
-    store.durability().await?;
-    store.migrate().await?;
-    Ok(())
-}
-
-/// On every SIGHUP: load and validate the file again; swap it in for new requests, or keep
-/// the old configuration and say why.
-async fn reload_on_sighup(path: std::path::PathBuf, gateway: Arc<Gateway>) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let Ok(mut hup) = signal(SignalKind::hangup()) else {
-        tracing::warn!("cannot listen for SIGHUP; reload needs a restart");
-        return;
-    };
-    while hup.recv().await.is_some() {
-        match Config::load(&path) {
-            Err(e) => {
-                tracing::error!(error = %e, "reload refused; the old configuration stays in force")
-            }
-            Ok(config) => {
-                let routes = config.routes.len();
-                match gateway.reload(config) {
-                    Err(why) => {
-                        tracing::error!(error = %why, "reload refused; the old configuration stays in force")
-                    }
-                    Ok(ignored) if ignored.is_empty() => {
-                        tracing::info!(routes, "configuration reloaded")
-                    }
-                    Ok(ignored) => {
-                        tracing::warn!(routes, needs_restart = ?ignored, "configuration reloaded; these changes apply after a restart")
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Retries [`prepare_store`] with backoff (100 ms doubling to 5 s) until it succeeds (then
-/// the gateway's store counts as ready); a store found not to keep its commits is sent on
-/// `refused` (which stops `serve`) instead.
-async fn prepare_until_done(
-    store: Arc<dyn Store>,
-    gateway: Arc<Gateway>,
-    refused: tokio::sync::oneshot::Sender<StoreError>,
-) {
-    let mut pause = std::time::Duration::from_millis(100);
-    loop {
-        tokio::time::sleep(pause).await;
-        match prepare_store(store.as_ref()).await {
-            Ok(()) => {
-                tracing::info!("migrations applied; the store is ready");
-                gateway.readiness().store_ready();
-                return;
-            }
-            Err(e @ StoreError::NotDurable(_)) => {
-                tracing::error!(error = %e, "refusing to serve on this database; shutting down");
-                let _ = refused.send(e);
-                return;
-            }
-            Err(e) => tracing::debug!(error = %e, "store still not ready"),
-        }
-        pause = (pause * 2).min(std::time::Duration::from_secs(5));
-    }
-}
-
-/// Collects expired rows every `interval` until shutdown; errors are logged and retried at
-/// the next tick.
-async fn gc_loop(
-    store: Arc<dyn Store>,
-    cfg: crate::config::GcConfig,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
-    let mut tick = tokio::time::interval(cfg.interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.wait_for(|s| *s) => return,
-        }
-        match store.gc(cfg.batch_size).await {
-            Ok(run) if run.deleted > 0 => {
-                tracing::info!(deleted = run.deleted, "expired keys collected")
-            }
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "collecting expired keys failed"),
-        }
-    }
+    let gateway = Arc::clone(app.gateway());
+    let drain_delay = app.config().server.drain_delay;
+    app.run(async move { crate::server::drain_on_signal(signals, &gateway, drain_delay).await })
+        .await
 }
 
 /// `idemgate gc`: delete expired rows once.

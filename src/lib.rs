@@ -30,12 +30,14 @@
 //! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
 //! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
 //! - [`demo`]: `idemgate demo`: the lab, straight and through idemgate, side by side.
+//! - [`app`]: the one wiring path (`App::build`, `App::run`) that `serve` and the tests use.
 //! - [`commands`]: what each CLI verb does (`main.rs` only parses arguments).
 
 #![forbid(unsafe_code)]
 
 pub mod access;
 pub mod admin;
+pub mod app;
 pub mod body;
 pub mod cache;
 pub mod commands;

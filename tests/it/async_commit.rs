@@ -35,19 +35,15 @@ async fn async_commit(db: &str) {
 
 /// The default test config with `allow_async_commit: true` in its Postgres block.
 fn allowing(yaml: &str) -> String {
-    yaml.replace(
+    yaml.patch(
         "statement_timeout: 1s }",
         "statement_timeout: 1s, allow_async_commit: true }",
     )
 }
 
-/// The same config with an admin listener on a free port; returns it and that port.
-fn with_admin(yaml: &str) -> (String, u16) {
-    let port = pg::free_port();
-    (
-        format!("{yaml}admin: {{ listen: 127.0.0.1:{port} }}\n"),
-        port,
-    )
+/// The same config with an admin listener on a port the process binds (it prints it).
+fn with_admin(yaml: &str) -> String {
+    format!("{yaml}admin: {{ listen: 127.0.0.1:0 }}\n")
 }
 
 /// Runs `idemgate serve` on `yaml` until it exits (failing the test after 30 s); returns its
@@ -56,7 +52,10 @@ async fn serve_until_exit(yaml: &str) -> (Option<i32>, String) {
     let dir = std::env::temp_dir().join(format!(
         "idemgate-async-commit-{}-{}",
         std::process::id(),
-        pg::free_port()
+        {
+            static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            N.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        }
     ));
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("gateway.yaml");
@@ -115,8 +114,9 @@ async fn serve_accepts_a_database_with_async_commit_when_the_config_allows_it() 
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     async_commit(&db).await;
-    let (yaml, admin) = with_admin(&allowing(&config_yaml(&db, &up.url(), "")));
+    let yaml = with_admin(&allowing(&config_yaml(&db, &up.url(), "")));
     let gw = GatewayProcess::start(&yaml).await;
+    let admin = gw.admin.expect("an admin listener");
     let c = client();
     let headers = [("idempotency-key", "k"), ("x-account-id", "a")];
     let first = send(&c, Method::POST, &gw.url("/pay"), &headers, "x").await;
@@ -125,14 +125,7 @@ async fn serve_accepts_a_database_with_async_commit_when_the_config_allows_it() 
     assert_eq!((retry.status, &retry.body), (201, &first.body));
     assert!(retry.replayed());
     assert_eq!(up.executions(), 1);
-    let ready = send(
-        &c,
-        Method::GET,
-        &format!("http://127.0.0.1:{admin}/readyz"),
-        &[],
-        "",
-    )
-    .await;
+    let ready = send(&c, Method::GET, &format!("http://{admin}/readyz"), &[], "").await;
     assert_eq!(ready.status, 200, "{:?}", ready.body);
 }
 
@@ -157,32 +150,64 @@ async fn a_database_found_with_async_commit_after_an_outage_stops_serve() {
 }
 
 #[tokio::test]
-async fn readyz_fails_on_async_commit_with_the_reason_unless_allowed() {
+async fn the_gateway_refuses_async_commit_naming_the_field_and_readyz_passes_when_allowed() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     async_commit(&db).await;
-    let c = client();
-    for (yaml, status) in [
-        (config_yaml(&db, &up.url(), ""), 503),
-        (allowing(&config_yaml(&db, &up.url(), "")), 200),
-    ] {
-        let gw = TestGateway::start(&yaml, &db).await;
-        let r = send(
-            &c,
-            Method::GET,
-            &format!("http://{}/readyz", gw.admin),
-            &[],
-            "",
-        )
-        .await;
-        assert_eq!(r.status, status, "{:?}", r.body);
-        if status == 503 {
-            let reason = r.json()["reason"].as_str().unwrap().to_string();
-            assert!(
-                reason.contains("store.postgres.allow_async_commit"),
-                "{reason}"
-            );
-        }
-        gw.shutdown().await;
+    // The wiring `serve` uses refuses the database before serving anything.
+    let config = idemgate::config::Config::from_yaml(&config_yaml(&db, &up.url(), "")).unwrap();
+    match idemgate::app::App::build(config, local_listeners().await).await {
+        Err(e) => assert!(
+            e.to_string().contains("store.postgres.allow_async_commit"),
+            "{e}"
+        ),
+        Ok(_) => panic!("a database with synchronous_commit off was accepted"),
     }
+    let gw = TestGateway::start(&allowing(&config_yaml(&db, &up.url(), "")), &db).await;
+    let r = send(
+        &client(),
+        Method::GET,
+        &format!("http://{}/readyz", gw.admin),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    gw.shutdown().await;
+}
+
+/// A database switched to `synchronous_commit = off` under a running gateway: once its pooled
+/// sessions are new ones, `/readyz` answers 503 naming the field.
+#[tokio::test]
+async fn readyz_fails_with_the_reason_when_the_database_turns_to_async_commit_under_a_gateway() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    let readyz = format!("http://{}/readyz", gw.admin);
+    assert_eq!(send(&c, Method::GET, &readyz, &[], "").await.status, 200);
+    async_commit(&db).await;
+    // The pool's sessions started with the old setting; end them so new ones see the new.
+    gw.sql()
+        .await
+        .execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = 'idemgate' AND datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_until(
+        "/readyz fails naming allow_async_commit",
+        Duration::from_secs(10),
+        || async {
+            let r = send(&c, Method::GET, &readyz, &[], "").await;
+            r.status == 503
+                && r.json()["reason"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("store.postgres.allow_async_commit"))
+        },
+    )
+    .await;
+    gw.shutdown().await;
 }

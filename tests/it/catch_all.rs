@@ -94,7 +94,7 @@ async fn a_websocket_on_a_plain_route_is_tunnelled_both_ways_and_holds_its_upstr
     let db = pg::fresh_database().await;
     // One slot: while the websocket is open, nothing else may be forwarded to the upstream.
     let yaml = config_yaml(&db, &ws_up.url(), "")
-        .replace("timeout: 5s }", "timeout: 5s, max_in_flight: 1 }");
+        .patch("timeout: 5s }", "timeout: 5s, max_in_flight: 1 }");
     let gw = TestGateway::start(&yaml, &db).await;
 
     let (mut ws, resp) = tokio_tungstenite::connect_async(format!("ws://{}/chat", gw.addr))
@@ -161,7 +161,7 @@ async fn a_websocket_on_a_plain_route_is_tunnelled_both_ways_and_holds_its_upstr
 async fn an_open_tunnel_keeps_its_connections_slot_of_max_connections() {
     let ws_up = WsEcho::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &ws_up.url(), "").replace(
+    let yaml = config_yaml(&db, &ws_up.url(), "").patch(
         "server: { shutdown_grace: 5s,",
         "server: { max_connections: 1, shutdown_grace: 5s,",
     );
@@ -294,7 +294,7 @@ async fn grpc_like_upstream(h2: bool) -> (SocketAddr, Arc<Mutex<Vec<H2Seen>>>) {
 async fn grpc_over_h2c_on_a_plain_route_passes_body_and_trailers_and_preserves_the_host() {
     let (up, seen) = grpc_like_upstream(true).await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &format!("http://{up}"), "").replace(
+    let yaml = config_yaml(&db, &format!("http://{up}"), "").patch(
         "timeout: 5s }",
         "timeout: 5s, http2: true, preserve_host: true }",
     );
@@ -381,7 +381,7 @@ async fn preserve_host_sends_the_clients_host_and_forwarded_is_appended_to() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     let yaml = config_yaml(&db, &up.url(), "")
-        .replace("timeout: 5s }", "timeout: 5s, preserve_host: true }");
+        .patch("timeout: 5s }", "timeout: 5s, preserve_host: true }");
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     let r = send(
@@ -435,7 +435,7 @@ async fn an_https_upstream_with_http2_is_spoken_to_in_h2_by_alpn_and_in_http1_wi
     for (http2, version) in [(true, Version::HTTP_2), (false, Version::HTTP_11)] {
         let (plain, tls_url) = (up.url(), format!("https://localhost:{}", up.addr.port()));
         let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
-            y.replace(&plain, &tls_url).replace(
+            y.patch(&plain, &tls_url).patch(
                 "timeout: 5s }",
                 &format!(
                     "timeout: 5s, http2: {http2}, tls: {{ ca: \"{}\" }} }}",

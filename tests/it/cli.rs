@@ -1,5 +1,6 @@
 //! The real binary: `check` exit codes, and `serve` refusing a bad config before binding.
 
+use crate::support::Patch;
 use std::process::Command;
 
 fn idemgate() -> Command {
@@ -52,7 +53,7 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
     let bad = dir.join("bad.yaml");
     let text = std::fs::read_to_string(example())
         .unwrap()
-        .replace("lease: 45s", "lease: 30s");
+        .patch("lease: 45s", "lease: 30s");
     std::fs::write(&bad, text).unwrap();
     for verb in ["check", "serve"] {
         let out = idemgate()

@@ -20,7 +20,7 @@ async fn serialized(
 ) -> (TestGateway, Option<TempDb>) {
     let idem =
         format!("lease: 20s\n      serialize: {{ max_in_flight: {max}, wait_timeout: {wait} }}");
-    TestGateway::on_with(b, up, &idem, |y| y.replace("timeout: 5s", "timeout: 1s")).await
+    TestGateway::on_with(b, up, &idem, |y| y.patch("timeout: 5s", "timeout: 1s")).await
 }
 
 backend_tests!(
@@ -245,7 +245,7 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
     let up = Upstream::start().await;
     // A short lease; the upstream timeout must stay below it.
     let (gw, _db) = TestGateway::on_with(b, &up, "lease: 3s\n      in_flight: reject", |y| {
-        y.replace("timeout: 5s", "timeout: 1s")
+        y.patch("timeout: 5s", "timeout: 1s")
     })
     .await;
     // A crashed gateway: it claimed the key (with the fingerprint the gateway computes for
@@ -355,7 +355,7 @@ async fn an_upstream_timeout_is_504_and_reforward_releases_the_key(b: Backend) {
     })
     .await;
     let (gw, _db) = TestGateway::on_with(b, &up, "lease: 5s", |y| {
-        y.replace("timeout: 5s", "timeout: 500ms")
+        y.patch("timeout: 5s", "timeout: 500ms")
     })
     .await;
     let c = client();
@@ -384,7 +384,7 @@ async fn a_held_key_whose_outcome_is_unknown_is_502_until_deleted(b: Backend) {
     .await;
     let (gw, _db) =
         TestGateway::on_with(b, &up, "lease: 5s\n      on_unknown_outcome: hold", |y| {
-            y.replace("timeout: 5s", "timeout: 500ms")
+            y.patch("timeout: 5s", "timeout: 500ms")
         })
         .await;
     let c = client();
@@ -486,7 +486,7 @@ async fn two_routes_on_one_scope_each_keep_their_own_limit(b: Backend) {
     .await;
     let idem = "lease: 20s\n      serialize: { max_in_flight: 3, wait_timeout: 10s }";
     let (gw, _db) = TestGateway::on_with(b, &up, idem, |y| {
-        crate::serialize::with_solo_route(&y.replace("timeout: 5s", "timeout: 1s"))
+        crate::serialize::with_solo_route(&y.patch("timeout: 5s", "timeout: 1s"))
     })
     .await;
     let urls = [gw.url("/solo"), gw.url("/pay"), gw.url("/pay")];

@@ -17,8 +17,8 @@ fn yaml(db: &str, upstream: &str, idem: &str, grace: &str) -> String {
         upstream,
         &format!("lease: 3500ms\n      wait_timeout: 500ms\n      {idem}"),
     )
-    .replace("timeout: 5s", "timeout: 1500ms")
-    .replace("shutdown_grace: 5s", &format!("shutdown_grace: {grace}"))
+    .patch("timeout: 5s", "timeout: 1500ms")
+    .patch("shutdown_grace: 5s", &format!("shutdown_grace: {grace}"))
 }
 
 #[tokio::test]

@@ -243,7 +243,7 @@ async fn promtool_accepts_a_live_gateways_metrics() {
     // With an observe route too, so its counters are linted.
     let shadow = "  - name: shadow\n    match: { path_prefix: /shadow }\n    upstream: app\n    idempotency: { mode: observe }\n  - name: rest\n";
     let (gw, _) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
-        y.replace("  - name: rest\n", shadow)
+        y.patch("  - name: rest\n", shadow)
     })
     .await;
     let c = client();

@@ -106,7 +106,7 @@ async fn keys_and_scopes_from_the_json_body() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     let yaml = config_yaml(&db, &up.url(), "")
-        .replace(
+        .patch(
             "scope: { header: X-Account-Id }",
             "scope: { json: /account_id }\n      key: [ { header: Idempotency-Key }, { json: /payment_id } ]\n      fingerprint: { json_canonical: true, json_ignore: [/sent_at] }",
         );
@@ -136,7 +136,7 @@ async fn keys_and_scopes_from_the_json_body() {
 async fn an_authorization_scope_is_hashed_and_never_stored_raw() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace(
+    let yaml = config_yaml(&db, &up.url(), "").patch(
         "scope: { header: X-Account-Id }",
         "scope: { authorization: true }",
     );
@@ -281,7 +281,7 @@ async fn thirty_retries_racing_for_an_expired_lease_take_it_over_once() {
     })
     .await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "lease: 3s").replace("timeout: 5s", "timeout: 1s");
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s").patch("timeout: 5s", "timeout: 1s");
     let gw = TestGateway::start(&yaml, &db).await;
     crashed_claim(&gw, "race", "x", Duration::from_millis(200)).await;
     lease_expired(&gw, "race").await;
@@ -305,7 +305,7 @@ async fn thirty_retries_racing_for_an_expired_lease_take_it_over_once() {
 async fn another_request_under_a_key_whose_lease_expired_is_a_mismatch_not_a_takeover() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "lease: 3s").replace("timeout: 5s", "timeout: 1s");
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s").patch("timeout: 5s", "timeout: 1s");
     let gw = TestGateway::start(&yaml, &db).await;
     crashed_claim(&gw, "k", "original", Duration::from_millis(200)).await;
     lease_expired(&gw, "k").await;

@@ -6,8 +6,6 @@
 use std::process::Output;
 use std::time::{Duration, Instant};
 
-use idemgate::process::free_port;
-
 use crate::support::process::GatewayProcess;
 use crate::support::*;
 
@@ -74,10 +72,8 @@ async fn health_exits_0_when_readyz_answers_200_by_config_or_by_url() {
 async fn health_exits_1_with_the_reason_when_the_store_is_down() {
     let up = Upstream::start().await;
     // Nothing listens there: serve starts anyway, /readyz answers 503.
-    let db = format!(
-        "postgres://idemgate@127.0.0.1:{}/idemgate",
-        free_port().unwrap()
-    );
+    let (_refusing, port) = refused_port();
+    let db = format!("postgres://idemgate@127.0.0.1:{port}/idemgate");
     let gw = gateway_with_admin(&db, &up, "127.0.0.1:0").await;
     let out = health(&["--config", gw.config.to_str().unwrap()]).await;
     assert_unhealthy(&out, "answered 503 Service Unavailable: ");
@@ -89,7 +85,7 @@ async fn health_exits_1_with_the_reason_when_the_store_is_down() {
 
 #[tokio::test]
 async fn health_exits_1_on_a_dead_port_a_silent_server_and_a_config_without_admin() {
-    let dead = free_port().unwrap();
+    let (_refusing, dead) = refused_port();
     let out = health(&["--url", &format!("http://127.0.0.1:{dead}/readyz")]).await;
     assert_unhealthy(&out, "cannot connect");
 

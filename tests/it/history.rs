@@ -417,7 +417,7 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
         &format!("http://{}", up.addr),
         "lease: 3s\n      wait_timeout: 500ms",
     )
-    .replace("timeout: 5s", "timeout: 1s");
+    .patch("timeout: 5s", "timeout: 1s");
     let gws = [
         GatewayProcess::start(&yaml).await,
         GatewayProcess::start(&yaml).await,

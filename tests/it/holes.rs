@@ -352,7 +352,7 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
     })
     .await;
     let db = pg::fresh_database().await;
-    let yaml = catch_all_yaml(&db, &up.url(), "").replace(
+    let yaml = catch_all_yaml(&db, &up.url(), "").patch(
         "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
         "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
     );

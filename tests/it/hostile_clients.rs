@@ -175,7 +175,7 @@ async fn a_client_that_hangs_up_mid_upload_leaves_nothing_behind() {
 async fn at_max_connections_new_connections_wait_while_existing_ones_keep_working() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace(
+    let yaml = config_yaml(&db, &up.url(), "").patch(
         "server: { shutdown_grace: 5s,",
         "server: { max_connections: 2, shutdown_grace: 5s,",
     );
@@ -217,7 +217,7 @@ async fn at_max_connections_new_connections_wait_while_existing_ones_keep_workin
 async fn a_keyed_body_slower_than_its_bound_is_408_and_claims_nothing() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace(
+    let yaml = config_yaml(&db, &up.url(), "").patch(
         "header_read_timeout: 2s }",
         "header_read_timeout: 2s, body_read_timeout: 500ms }",
     );

@@ -117,7 +117,7 @@ async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) 
     })
     .await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;
-    let gw = TestGateway::start_with(&yaml, &db, false).await;
+    let gw = TestGateway::start_config(without_wakeups(&yaml), &db).await;
     assert!(!gw.store.wakeups().healthy());
     assert_one_answer(&storm(&[gw.url("/pay")], 20, "polled").await);
     assert_eq!(up.executions(), 1);

@@ -135,7 +135,7 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     // In flight on upstream A when the reload lands.
     let slow = in_flight(&gw.url("/pay"), &a, "acct", "during-reload", "x").await;
     let text = std::fs::read_to_string(&gw.config).unwrap();
-    let to_b = text.replace(&a.url(), &b.url());
+    let to_b = text.patch(&a.url(), &b.url());
     std::fs::write(&gw.config, &to_b).unwrap();
     gw.hangup();
     let url = gw.url("/pay");
@@ -183,11 +183,7 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     );
 
     // A bad file is refused; the running configuration stays.
-    std::fs::write(
-        &gw.config,
-        to_b.replace("timeout: 5s", "timeout: 5 seconds"),
-    )
-    .unwrap();
+    std::fs::write(&gw.config, to_b.patch("timeout: 5s", "timeout: 5 seconds")).unwrap();
     gw.hangup();
     wait_until("the refusal is logged", Duration::from_secs(10), || async {
         gw.log_text().contains("reload refused")
@@ -213,7 +209,7 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     // A store change is refused whole: leases were checked against timeouts not in force.
     std::fs::write(
         &gw.config,
-        to_b.replace("statement_timeout: 1s", "statement_timeout: 3s"),
+        to_b.patch("statement_timeout: 1s", "statement_timeout: 3s"),
     )
     .unwrap();
     gw.hangup();
@@ -352,4 +348,32 @@ async fn a_request_id_is_kept_or_made_forwarded_returned_and_in_problem_bodies()
     let v: serde_json::Value = serde_json::from_str(line).unwrap();
     assert_eq!(v["outcome"], "key_invalid");
     assert_eq!(v["status"], 400);
+}
+
+/// The periodic collection runs in the gateway `serve` builds: an expired key disappears
+/// without anyone running `idemgate gc`, and a live one stays.
+#[tokio::test]
+async fn the_periodic_gc_collects_expired_keys_by_itself() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s\n      ttl: 3s")
+        .patch(" timeout: 5s }", " timeout: 500ms }")
+        .patch(
+            "statement_timeout: 1s }",
+            "statement_timeout: 1s }\n  gc: { interval: 200ms }",
+        );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    assert_eq!(post(&c, &gw, "a", "short", "x").await.status, 201);
+    assert_eq!(
+        row_state(&gw, "a", "short").await.as_deref(),
+        Some("completed")
+    );
+    wait_until(
+        "the expired key is collected by the gateway's own loop",
+        Duration::from_secs(10),
+        || async { row_state(&gw, "a", "short").await.is_none() },
+    )
+    .await;
+    gw.shutdown().await;
 }

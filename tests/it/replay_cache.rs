@@ -73,7 +73,8 @@ async fn a_delete_on_one_instance_evicts_the_key_from_every_instances_cache() {
 async fn without_wake_ups_the_cache_is_not_used() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let gw = TestGateway::start_with(&config_yaml(&db, &up.url(), ""), &db, false).await;
+    let gw =
+        TestGateway::start_config(without_wakeups(&config_yaml(&db, &up.url(), "")), &db).await;
     let c = client();
     post(&c, &gw, "a", "k", "x").await;
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());

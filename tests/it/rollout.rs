@@ -12,11 +12,16 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use crate::support::process::GatewayProcess;
 use crate::support::*;
 
-/// The default test routes with `idem` on the keyed one, and an admin listener; returns the
-/// YAML and the admin address.
-fn with_admin(yaml: String) -> (String, String) {
-    let admin = format!("127.0.0.1:{}", pg::free_port());
-    (format!("{yaml}admin: {{ listen: \"{admin}\" }}\n"), admin)
+/// The config with an admin listener on a port the process binds (it prints the address).
+fn with_admin(yaml: String) -> String {
+    format!("{yaml}admin: {{ listen: \"127.0.0.1:0\" }}\n")
+}
+
+/// The admin address the process printed.
+fn admin_of(gw: &GatewayProcess) -> String {
+    gw.admin
+        .expect("the process has an admin listener")
+        .to_string()
 }
 
 async fn admin_get(admin: &str, path: &str) -> Reply {
@@ -63,8 +68,9 @@ async fn observe_forwards_every_duplicate_counts_what_enforcing_would_have_done_
     })
     .await;
     let db = pg::fresh_database().await;
-    let (yaml, admin) = with_admin(config_yaml(&db, &up.url(), "mode: observe"));
+    let yaml = with_admin(config_yaml(&db, &up.url(), "mode: observe"));
     let mut gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
     let c = client();
     let url = gw.url("/pay");
 
@@ -133,7 +139,7 @@ async fn observe_forwards_every_duplicate_counts_what_enforcing_would_have_done_
 
     // Switch the same file to enforce: what observe recorded is replayed, byte for byte.
     let text = std::fs::read_to_string(&gw.config).unwrap();
-    std::fs::write(&gw.config, text.replace("mode: observe", "mode: enforce")).unwrap();
+    std::fs::write(&gw.config, text.patch("mode: observe", "mode: enforce")).unwrap();
     gw.hangup();
     wait_until("the reload is logged", Duration::from_secs(10), || async {
         gw.log_text().contains("configuration reloaded")
@@ -179,12 +185,13 @@ async fn observe_never_blocks_a_request_it_cannot_key_an_oversized_body_or_store
     let cluster = pg::Cluster::start_async().await;
     let db = cluster.new_database().await;
     let up = Upstream::start().await;
-    let (yaml, admin) = with_admin(config_yaml(
+    let yaml = with_admin(config_yaml(
         &db,
         &up.url(),
         "mode: observe\n      required: true\n      max_request_body: 1KiB",
     ));
     let mut gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
     let c = client();
     let url = gw.url("/pay");
 
@@ -262,11 +269,12 @@ async fn sigterm_with_a_drain_delay_fails_readyz_at_once_and_serves_new_connecti
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     let delay = Duration::from_secs(2);
-    let (yaml, admin) = with_admin(
+    let yaml = with_admin(
         config_yaml(&db, &up.url(), "")
-            .replace("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 2s"),
+            .patch("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 2s"),
     );
     let mut gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
     let ready = admin_get(&admin, "/readyz").await;
     assert_eq!(
         (ready.status, &ready.json()["status"]),
@@ -337,11 +345,12 @@ async fn sigterm_with_a_drain_delay_fails_readyz_at_once_and_serves_new_connecti
 async fn a_second_signal_ends_the_drain_delay_early() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let (yaml, admin) = with_admin(
+    let yaml = with_admin(
         config_yaml(&db, &up.url(), "")
-            .replace("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 60s"),
+            .patch("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 60s"),
     );
     let mut gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
     gw.terminate();
     wait_until("/readyz answers 503", Duration::from_secs(10), || async {
         admin_get(&admin, "/readyz").await.status == 503
@@ -376,10 +385,11 @@ async fn readyz_fails_until_the_store_is_first_ready_then_stays_200_through_an_o
     let db = cluster.new_database().await;
     let cluster = cluster.crashed().await;
     let up = Upstream::start().await;
-    let (yaml, admin) = with_admin(config_yaml(&db, &up.url(), ""));
+    let yaml = with_admin(config_yaml(&db, &up.url(), ""));
     // Started with its store down: not ready, so a rollout would not replace working
     // instances with it.
     let gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
     let starting = admin_get(&admin, "/readyz").await;
     assert_eq!(starting.status, 503);
     assert_eq!(starting.json()["status"], "not ready");

@@ -92,7 +92,7 @@ async fn every_row_keeps_its_invariants_through_the_gateways_flows() {
         Backend::Postgres,
         &up,
         "lease: 5s\n      on_unknown_outcome: hold\n      max_stored_response: 1KiB",
-        |y| y.replace("timeout: 5s", "timeout: 500ms"),
+        |y| y.patch("timeout: 5s", "timeout: 500ms"),
     )
     .await;
     let db = gw.sql().await;

@@ -11,7 +11,7 @@ fn yaml(db: &str, upstream: &str, max: u32, wait: &str) -> String {
         upstream,
         &format!("lease: 20s\n      serialize: {{ max_in_flight: {max}, wait_timeout: {wait} }}"),
     )
-    .replace("timeout: 5s", "timeout: 1s")
+    .patch("timeout: 5s", "timeout: 1s")
 }
 
 /// Adds a keyed route `solo` (`/solo`, limit 1, same scope header) before the others, so

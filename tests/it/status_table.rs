@@ -9,7 +9,7 @@ use crate::support::*;
 async fn no_route_is_404() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace(
+    let yaml = config_yaml(&db, &up.url(), "").patch(
         "  - name: rest\n    match: { path_prefix: / }\n    upstream: app\n",
         "",
     );
@@ -70,7 +70,7 @@ async fn a_missing_scope_is_400_or_401_for_authorization() {
     assert_eq!((r.status, r.problem().as_str()), (400, "scope-missing"));
 
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "").replace(
+    let yaml = config_yaml(&db, &up.url(), "").patch(
         "scope: { header: X-Account-Id }",
         "scope: { authorization: true }",
     );
@@ -133,7 +133,7 @@ async fn a_body_over_the_limit_is_413_and_nothing_is_stored() {
 #[tokio::test]
 async fn an_unreachable_upstream_is_502_and_releases_the_key() {
     // A port with nothing listening: connection refused.
-    let port = pg::free_port();
+    let (refusing, port) = refused_port();
     let db = pg::fresh_database().await;
     let yaml = config_yaml(&db, &format!("http://127.0.0.1:{port}"), "");
     let gw = TestGateway::start(&yaml, &db).await;
@@ -149,9 +149,7 @@ async fn an_unreachable_upstream_is_502_and_releases_the_key() {
         "released: nothing was sent"
     );
     // The upstream comes up: the retry is forwarded.
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
+    let listener = refusing.listen(1024).unwrap();
     let up = Upstream::serve(listener, Behavior::default());
     let r = post(&c, &gw, "a", "k", "x").await;
     assert_eq!(r.status, 201);

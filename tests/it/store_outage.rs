@@ -51,7 +51,7 @@ async fn private(
 async fn pool_exhaustion_answers_503_within_its_bound(b: Backend) {
     let up = Upstream::start().await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;
-    let yaml = yaml.replace("pool_size: 8", "pool_size: 1");
+    let yaml = yaml.patch("pool_size: 8", "pool_size: 1");
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "warm", "x").await.status, 201);

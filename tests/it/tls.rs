@@ -63,7 +63,7 @@ async fn the_listener_speaks_tls_with_http1_and_h2_and_an_untrusted_client_gets_
     let pki = TestPki::new();
     let up = Upstream::start().await;
     let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "", |y| {
-        y.replace(
+        y.patch(
             "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
             &format!(
                 "server: {{ shutdown_grace: 5s, header_read_timeout: 2s, tls: {{ cert: \"{}\", key: \"{}\" }} }}",
@@ -103,7 +103,7 @@ async fn an_https_upstream_is_verified_against_its_ca_and_an_untrusted_one_is_re
         let (plain, ca) = (up.url(), ca.display().to_string());
         let tls_url = format!("https://localhost:{}", up.addr.port());
         move |y: String| {
-            y.replace(&plain, &tls_url).replace(
+            y.patch(&plain, &tls_url).patch(
                 "timeout: 5s }",
                 &format!("timeout: 5s, tls: {{ ca: \"{ca}\" }} }}"),
             )
@@ -141,7 +141,7 @@ async fn postgres_over_tls_require_and_verify_full_and_a_wrong_ca_is_refused() {
     let up = Upstream::start().await;
     let c = client();
     let with_tls = |db: &str, tls: &str| {
-        config_yaml(db, &up.url(), "").replace(
+        config_yaml(db, &up.url(), "").patch(
             "statement_timeout: 1s }",
             &format!("statement_timeout: 1s, tls: {tls} }}"),
         )

@@ -12,7 +12,7 @@ async fn setup(fault: Fault, idem: &str) -> (Upstream, FaultProxy, TestGateway) 
     let proxy = FaultProxy::start(up.addr, fault).await;
     let db = pg::fresh_database().await;
     let idem = format!("lease: 3s\n      {idem}");
-    let yaml = config_yaml(&db, &proxy.url(), &idem).replace("timeout: 5s", "timeout: 1s");
+    let yaml = config_yaml(&db, &proxy.url(), &idem).patch("timeout: 5s", "timeout: 1s");
     let gw = TestGateway::start(&yaml, &db).await;
     (up, proxy, gw)
 }
@@ -150,7 +150,7 @@ async fn dns_and_connect_failures_release_the_key_even_under_hold() {
 
 #[test]
 fn a_connect_timeout_not_shorter_than_the_timeout_is_a_config_error() {
-    let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "").replace(
+    let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "").patch(
         "connect_timeout: 200ms, timeout: 5s",
         "connect_timeout: 5s, timeout: 5s",
     );
@@ -167,7 +167,7 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("short-grace.yaml");
     let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "")
-        .replace("shutdown_grace: 5s", "shutdown_grace: 2s");
+        .patch("shutdown_grace: 5s", "shutdown_grace: 2s");
     assert!(yaml.contains("shutdown_grace: 2s"), "the patch applied");
     std::fs::write(&file, yaml).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))

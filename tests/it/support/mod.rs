@@ -19,6 +19,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use idemgate::app::{App, Listeners};
 use idemgate::config::{Config, StoreConfig};
 use idemgate::gateway::Gateway;
 use idemgate::store::Store;
@@ -183,53 +184,96 @@ impl Drop for TempDb {
     }
 }
 
+/// `yaml` with its Postgres wake-up listener pointed at a socket that does not exist: the
+/// listener never connects, as when a network or a pooler keeps notifications away, and
+/// waiters poll.
+pub fn without_wakeups(yaml: &str) -> Config {
+    let mut config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}"));
+    let StoreConfig::Postgres(pg) = &mut config.store else {
+        panic!("wake-ups are a Postgres store's")
+    };
+    pg.listen_url = "host=/nonexistent-idemgate-listener user=postgres dbname=none".into();
+    config
+}
+
+/// Edits of a test's config text that fail the test unless the text to edit occurs exactly
+/// once: a `str::replace` that matches nothing silently tests the unedited config, and
+/// `"timeout: 5s"` also matches `wait_timeout: 5s`.
+pub trait Patch {
+    fn patch(&self, from: &str, to: &str) -> String;
+}
+
+impl<T: AsRef<str> + ?Sized> Patch for T {
+    fn patch(&self, from: &str, to: &str) -> String {
+        let text = self.as_ref();
+        let n = text.matches(from).count();
+        assert_eq!(n, 1, "expected {from:?} exactly once in:\n{text}");
+        text.replacen(from, to, 1)
+    }
+}
+
+/// A port on 127.0.0.1 that refuses connections for as long as the returned socket lives:
+/// bound, so nobody else gets it, and never listening.
+pub fn refused_port() -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("a socket");
+    socket
+        .bind("127.0.0.1:0".parse().unwrap())
+        .expect("binding a port to refuse on");
+    let port = socket.local_addr().expect("a bound address").port();
+    (socket, port)
+}
+
+/// A listener and an admin listener on `127.0.0.1:0`: the kernel picks the ports, bound
+/// before anyone learns them.
+pub async fn local_listeners() -> Listeners {
+    Listeners {
+        main: TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind gateway"),
+        admin: Some(TcpListener::bind("127.0.0.1:0").await.expect("bind admin")),
+    }
+}
+
 impl TestGateway {
-    /// Starts a gateway from YAML; migrations are applied first, as `serve` does.
+    /// Starts a gateway from YAML through the wiring `serve` uses ([`App::build`] and
+    /// [`App::run`]) on listeners bound to `127.0.0.1:0`, the admin plane on one of its own.
+    /// The store must answer: the test fails if it could not be prepared (migrated).
     pub async fn start(yaml: &str, db: &str) -> TestGateway {
-        TestGateway::start_with(yaml, db, true).await
+        let config = Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}"));
+        TestGateway::start_config(config, db).await
     }
 
-    /// Starts a gateway; without the listener, waiters only poll.
-    pub async fn start_with(yaml: &str, db: &str, listener: bool) -> TestGateway {
+    /// As [`start`](Self::start), from a typed configuration (for edits a test makes to it).
+    pub async fn start_config(config: Config, db: &str) -> TestGateway {
         init_logs();
-        let config = Arc::new(Config::from_yaml(yaml).unwrap_or_else(|e| panic!("config: {e}")));
-        let (store, pg): (Arc<dyn Store>, _) = match &config.store {
-            StoreConfig::Postgres(pg) => {
-                let pg = Arc::new(PgStore::new(pg).expect("store"));
-                (pg.clone(), Some(pg))
-            }
-            StoreConfig::Sqlite(sq) => (
-                Arc::new(idemgate::store::sqlite::SqliteStore::open(sq).expect("embedded store")),
-                None,
-            ),
-        };
-        store.migrate().await.expect("migrations");
-        if listener {
-            store.start_background();
-        }
-        let listener = TcpListener::bind("127.0.0.1:0")
+        let app = App::build(config, local_listeners().await)
             .await
-            .expect("bind gateway");
-        let addr = listener.local_addr().unwrap();
-        let gateway = Arc::new(Gateway::new(Arc::clone(&config), store.clone()));
-        let admin_listener = TcpListener::bind("127.0.0.1:0").await.expect("bind admin");
-        let admin = admin_listener.local_addr().unwrap();
-        tokio::spawn(idemgate::admin::run(
-            admin_listener,
-            Arc::clone(&gateway),
-            std::future::pending::<()>(),
-        ));
+            .unwrap_or_else(|e| panic!("building the gateway: {e}"));
+        assert!(
+            app.is_prepared(),
+            "the store did not answer or could not be migrated at start"
+        );
+        TestGateway::run(app, db)
+    }
+
+    /// Serves a built app until [`shutdown`](Self::shutdown) (or drop).
+    pub fn run(app: App, db: &str) -> TestGateway {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let server = idemgate::server::run(
-            listener,
-            Arc::clone(&gateway),
-            config.server.clone(),
-            async move {
-                let _ = rx.await;
-            },
+        let addr = app.local_addr();
+        let admin = app
+            .admin_addr()
+            .expect("the test gateway has an admin listener");
+        let (store, pg, gateway) = (
+            Arc::clone(app.store()),
+            app.postgres().cloned(),
+            Arc::clone(app.gateway()),
         );
         let task = tokio::spawn(async move {
-            server.await.expect("the server starts");
+            app.run(async move {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap_or_else(|e| panic!("the gateway stopped with an error: {e}"));
         });
         TestGateway {
             addr,
@@ -237,7 +281,7 @@ impl TestGateway {
             pg,
             db: db.to_string(),
             admin,
-            gateway: Arc::clone(&gateway),
+            gateway,
             stop: Some(tx),
             task: Some(task),
         }
