@@ -120,6 +120,101 @@ pub enum Outcome {
     Release,
 }
 
+/// The `state` column of a key's row, spelled the same in both stores' schemas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowState {
+    /// Claimed; an attempt holds (or held) its lease.
+    InFlight,
+    /// The answer is stored: status, headers and body are all set.
+    Completed,
+    /// Answered, but too large to store: only the status is kept.
+    NotReplayable,
+    /// The outcome of the attempt is unknown and the route holds such keys.
+    Unknown,
+}
+
+impl RowState {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            RowState::InFlight => "in_flight",
+            RowState::Completed => "completed",
+            RowState::NotReplayable => "not_replayable",
+            RowState::Unknown => "unknown",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Option<RowState> {
+        Some(match s {
+            "in_flight" => RowState::InFlight,
+            "completed" => RowState::Completed,
+            "not_replayable" => RowState::NotReplayable,
+            "unknown" => RowState::Unknown,
+            _ => return None,
+        })
+    }
+}
+
+/// An existing key's row as a claim reads it back, whichever store: what decides the
+/// answer to a request that found its key already there (SPEC section 2, step 4).
+pub(crate) struct ExistingRow {
+    pub state: String,
+    pub fingerprint: Vec<u8>,
+    pub status: Option<i64>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<Vec<u8>>,
+    /// In flight and its lease has ended (database time).
+    pub lease_expired: bool,
+    pub lease_remaining_ms: i64,
+    pub expires_in_ms: i64,
+}
+
+impl ExistingRow {
+    /// The claim's answer for a request with fingerprint `fp`. A row that breaks the
+    /// schema's invariants (an unknown state, a completed row without its answer) is
+    /// [`StoreError::Corrupt`], never a guess.
+    pub(crate) fn decide(self, fp: &[u8]) -> Result<Claim, StoreError> {
+        if self.fingerprint != fp {
+            return Ok(Claim::Mismatch);
+        }
+        let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+        let status = self
+            .status
+            .and_then(|s| u16::try_from(s).ok())
+            .filter(|s| http::StatusCode::from_u16(*s).is_ok());
+        let state = RowState::parse(&self.state).ok_or(StoreError::Corrupt("unknown state"))?;
+        Ok(match state {
+            // Only a route that holds unknown outcomes leaves an expired lease in place.
+            RowState::InFlight if self.lease_expired => Claim::Held,
+            RowState::InFlight => Claim::InFlight {
+                lease_remaining: ms(self.lease_remaining_ms),
+            },
+            RowState::Unknown => Claim::Held,
+            RowState::NotReplayable => Claim::NotReplayable {
+                status: status.ok_or(StoreError::Corrupt("missing or invalid status"))?,
+            },
+            RowState::Completed => {
+                let (Some(status), Some(headers), Some(body)) = (
+                    status,
+                    self.headers
+                        .as_deref()
+                        .and_then(StoredResponse::decode_headers),
+                    self.body,
+                ) else {
+                    return Err(StoreError::Corrupt("incomplete stored response"));
+                };
+                Claim::Completed(
+                    StoredResponse {
+                        status,
+                        headers,
+                        body: body.into(),
+                    },
+                    ms(self.expires_in_ms),
+                )
+            }
+        })
+    }
+}
+
 /// The columns a final outcome writes (every store's finish statement takes these).
 pub(crate) struct FinishRow<'a> {
     pub state: &'static str,
@@ -132,20 +227,23 @@ impl<'a> FinishRow<'a> {
     pub(crate) fn of(outcome: &'a Outcome) -> FinishRow<'a> {
         let (state, status, headers, body) = match outcome {
             Outcome::Completed(r) => (
-                "completed",
+                RowState::Completed,
                 Some(i32::from(r.status)),
                 Some(r.encode_headers()),
                 Some(&r.body[..]),
             ),
-            Outcome::NotReplayable { status } => {
-                ("not_replayable", Some(i32::from(*status)), None, None)
-            }
-            Outcome::Unknown => ("unknown", None, None, None),
+            Outcome::NotReplayable { status } => (
+                RowState::NotReplayable,
+                Some(i32::from(*status)),
+                None,
+                None,
+            ),
+            Outcome::Unknown => (RowState::Unknown, None, None, None),
             // Release deletes the row instead (RELEASE_SQL); nothing is written.
-            Outcome::Release => ("in_flight", None, None, None),
+            Outcome::Release => (RowState::InFlight, None, None, None),
         };
         FinishRow {
-            state,
+            state: state.as_str(),
             status,
             headers,
             body,
@@ -285,5 +383,100 @@ pub trait Store: Send + Sync + 'static {
     /// configuration does not accept that; other errors when the store cannot say now.
     fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(state: &str) -> ExistingRow {
+        ExistingRow {
+            state: state.into(),
+            fingerprint: vec![7; 32],
+            status: Some(201),
+            headers: Some(
+                StoredResponse {
+                    status: 201,
+                    headers: Vec::new(),
+                    body: Default::default(),
+                }
+                .encode_headers(),
+            ),
+            body: Some(b"ok".to_vec()),
+            lease_expired: false,
+            lease_remaining_ms: 1500,
+            expires_in_ms: 60_000,
+        }
+    }
+
+    #[test]
+    fn every_state_spelling_round_trips() {
+        for s in [
+            RowState::InFlight,
+            RowState::Completed,
+            RowState::NotReplayable,
+            RowState::Unknown,
+        ] {
+            assert_eq!(RowState::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(RowState::parse("claimed"), None);
+    }
+
+    #[test]
+    fn an_existing_row_decides_the_claim_the_same_for_both_stores() {
+        let fp = [7u8; 32];
+        assert!(matches!(
+            row("completed").decide(&[8; 32]),
+            Ok(Claim::Mismatch)
+        ));
+        match row("completed").decide(&fp) {
+            Ok(Claim::Completed(r, left)) => {
+                assert_eq!(
+                    (r.status, &r.body[..], left),
+                    (201, &b"ok"[..], Duration::from_secs(60))
+                )
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            row("in_flight").decide(&fp),
+            Ok(Claim::InFlight { lease_remaining }) if lease_remaining == Duration::from_millis(1500)
+        ));
+        let expired = ExistingRow {
+            lease_expired: true,
+            ..row("in_flight")
+        };
+        assert!(matches!(expired.decide(&fp), Ok(Claim::Held)));
+        assert!(matches!(row("unknown").decide(&fp), Ok(Claim::Held)));
+        assert!(matches!(
+            row("not_replayable").decide(&fp),
+            Ok(Claim::NotReplayable { status: 201 })
+        ));
+        // Rows that break the invariants are corrupt, never guessed at.
+        assert!(matches!(
+            row("bogus").decide(&fp),
+            Err(StoreError::Corrupt(_))
+        ));
+        for broken in [
+            ExistingRow {
+                body: None,
+                ..row("completed")
+            },
+            ExistingRow {
+                headers: None,
+                ..row("completed")
+            },
+            ExistingRow {
+                status: Some(42),
+                ..row("completed")
+            },
+            ExistingRow {
+                status: None,
+                ..row("not_replayable")
+            },
+        ] {
+            assert!(matches!(broken.decide(&fp), Err(StoreError::Corrupt(_))));
+        }
     }
 }

@@ -67,13 +67,12 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
-    BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
-    Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
+    Outcome, Slot, Store, StoreError,
 };
 use crate::config::{PgTlsMode, Pooler, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
-use crate::replay::StoredResponse;
 
 /// Migrations in order; each runs once, all in one transaction under an advisory lock.
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
@@ -795,48 +794,18 @@ impl PgStore {
                 took_over: attempts > 1,
             }));
         }
-        let stored_fp: &[u8] = row.get("fingerprint");
-        if stored_fp != fp {
-            return Ok(Some(Claim::Mismatch));
+        ExistingRow {
+            state: state.to_owned(),
+            fingerprint: row.get("fingerprint"),
+            status: row.get::<_, Option<i32>>("status").map(i64::from),
+            headers: row.get("headers"),
+            body: row.get("body"),
+            lease_expired: row.get("lease_expired"),
+            lease_remaining_ms: row.get("lease_remaining_ms"),
+            expires_in_ms: row.get("expires_in_ms"),
         }
-        let status = || -> Result<u16, StoreError> {
-            let s: Option<i32> = row.get("status");
-            s.and_then(|s| u16::try_from(s).ok())
-                .filter(|s| http::StatusCode::from_u16(*s).is_ok())
-                .ok_or(StoreError::Corrupt("missing or invalid status"))
-        };
-        let lease_expired: bool = row.get("lease_expired");
-        Ok(Some(match state {
-            // Only a route that holds unknown outcomes leaves an expired lease in place.
-            "in_flight" if lease_expired => Claim::Held,
-            "in_flight" => Claim::InFlight {
-                lease_remaining: Duration::from_millis(
-                    u64::try_from(row.get::<_, i64>("lease_remaining_ms")).unwrap_or(0),
-                ),
-            },
-            "unknown" => Claim::Held,
-            "not_replayable" => Claim::NotReplayable { status: status()? },
-            "completed" => {
-                let headers: Vec<u8> = row
-                    .get::<_, Option<Vec<u8>>>("headers")
-                    .ok_or(StoreError::Corrupt("missing headers"))?;
-                let body: Vec<u8> = row
-                    .get::<_, Option<Vec<u8>>>("body")
-                    .ok_or(StoreError::Corrupt("missing body"))?;
-                Claim::Completed(
-                    StoredResponse {
-                        status: status()?,
-                        headers: StoredResponse::decode_headers(&headers)
-                            .ok_or(StoreError::Corrupt("headers"))?,
-                        body: body.into(),
-                    },
-                    Duration::from_millis(
-                        u64::try_from(row.get::<_, i64>("expires_in_ms")).unwrap_or(0),
-                    ),
-                )
-            }
-            _ => return Err(StoreError::Corrupt("unknown state")),
-        }))
+        .decide(fp)
+        .map(Some)
     }
 }
 

@@ -26,13 +26,12 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
-    BoxFuture, Claim, ClaimRequest, Deleted, FinishRow, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
-    Store, StoreError,
+    BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
+    Outcome, Slot, Store, StoreError,
 };
 use crate::config::SqliteConfig;
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
-use crate::replay::StoredResponse;
 
 /// Migrations of the embedded store, applied in order in one transaction.
 /// A migration that mirrors a Postgres one carries its number.
@@ -250,51 +249,17 @@ fn decode_existing(
     fp: &[u8; 32],
     row: &rusqlite::Row<'_>,
 ) -> rusqlite::Result<Result<Claim, StoreError>> {
-    let state: String = row.get(0)?;
-    let stored_fp: Vec<u8> = row.get(1)?;
-    if stored_fp != fp {
-        return Ok(Ok(Claim::Mismatch));
+    Ok(ExistingRow {
+        state: row.get(0)?,
+        fingerprint: row.get(1)?,
+        status: row.get(2)?,
+        headers: row.get(3)?,
+        body: row.get(4)?,
+        lease_expired: row.get(5)?,
+        lease_remaining_ms: row.get(6)?,
+        expires_in_ms: row.get(7)?,
     }
-    let status: Option<i64> = row.get(2)?;
-    let status = status
-        .and_then(|s| u16::try_from(s).ok())
-        .filter(|s| http::StatusCode::from_u16(*s).is_ok());
-    let lease_expired: bool = row.get(5)?;
-    let remaining: i64 = row.get(6)?;
-    Ok(match state.as_str() {
-        "in_flight" if lease_expired => Ok(Claim::Held),
-        "in_flight" => Ok(Claim::InFlight {
-            lease_remaining: Duration::from_millis(u64::try_from(remaining).unwrap_or(0)),
-        }),
-        "unknown" => Ok(Claim::Held),
-        "not_replayable" => match status {
-            Some(status) => Ok(Claim::NotReplayable { status }),
-            None => Err(StoreError::Corrupt("missing or invalid status")),
-        },
-        "completed" => {
-            let headers: Option<Vec<u8>> = row.get(3)?;
-            let body: Option<Vec<u8>> = row.get(4)?;
-            match (
-                status,
-                headers.and_then(|h| StoredResponse::decode_headers(&h)),
-                body,
-            ) {
-                (Some(status), Some(headers), Some(body)) => {
-                    let expires_in: i64 = row.get(7)?;
-                    Ok(Claim::Completed(
-                        StoredResponse {
-                            status,
-                            headers,
-                            body: body.into(),
-                        },
-                        Duration::from_millis(u64::try_from(expires_in).unwrap_or(0)),
-                    ))
-                }
-                _ => Err(StoreError::Corrupt("incomplete stored response")),
-            }
-        }
-        _ => Err(StoreError::Corrupt("unknown state")),
-    })
+    .decide(fp))
 }
 
 impl Store for SqliteStore {
