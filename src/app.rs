@@ -23,11 +23,24 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
-use crate::commands::CommandError;
 use crate::config::{Config, GcConfig, StoreConfig};
 use crate::gateway::Gateway;
 use crate::store::postgres::PgStore;
 use crate::store::{Store, StoreError};
+
+/// Why a gateway could not be built or stopped serving with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The listener could not serve (its TLS files cannot be loaded).
+    #[error("{0}")]
+    Serve(String),
+    #[error("this build has no embedded store")]
+    NoEmbeddedStore,
+}
 
 /// The sockets a gateway serves on, bound by the caller.
 pub struct Listeners {
@@ -66,7 +79,7 @@ impl App {
     /// answers), starts its wake-up listener, and builds the gateway. Fails on a store that
     /// cannot be opened at all (a bad embedded-store file) or that answers and may lose
     /// commits; a store that does not answer is retried by [`run`](Self::run).
-    pub async fn build(config: Config, listeners: Listeners) -> Result<App, CommandError> {
+    pub async fn build(config: Config, listeners: Listeners) -> Result<App, AppError> {
         for warning in config.warnings() {
             tracing::warn!("{warning}");
         }
@@ -146,7 +159,7 @@ impl App {
 
     /// Serves until `shutdown` resolves (then drains for `server.shutdown_grace`), or until a
     /// store that was down at `build` is found to lose commits (then returns that error).
-    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), CommandError> {
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), AppError> {
         let App {
             config,
             store,
@@ -202,7 +215,7 @@ impl App {
         if let Some(e) = refused.lock().expect("refusal lock").take() {
             return Err(e.into());
         }
-        served.map_err(CommandError::Other)
+        served.map_err(AppError::Serve)
     }
 }
 
@@ -211,7 +224,7 @@ type Opened = (Arc<dyn Store>, Option<Arc<PgStore>>);
 
 /// Opens the configured store. Postgres connects lazily (this succeeds with it down); the
 /// embedded store opens its file and takes its one-instance lock now.
-pub(crate) fn open(config: &Config) -> Result<Opened, CommandError> {
+pub(crate) fn open(config: &Config) -> Result<Opened, AppError> {
     match &config.store {
         StoreConfig::Postgres(pg) => {
             let pg = Arc::new(PgStore::new(pg)?);
@@ -222,9 +235,7 @@ pub(crate) fn open(config: &Config) -> Result<Opened, CommandError> {
             Ok((Arc::new(crate::store::sqlite::SqliteStore::open(sq)?), None))
         }
         #[cfg(not(feature = "sqlite"))]
-        StoreConfig::Sqlite(_) => Err(CommandError::Other(
-            "this build has no embedded store".into(),
-        )),
+        StoreConfig::Sqlite(_) => Err(AppError::NoEmbeddedStore),
     }
 }
 

@@ -7,7 +7,7 @@
 //! - An entry never outlives its row: its local expiry is computed from a clock reading taken
 //!   before the store reported the row's remaining `ttl`, so it ends no later than the row
 //!   does in database time.
-//! - It is trusted only while the store's wake-ups flow ([`crate::wait::Wakeups`]): every
+//! - It is trusted only while the store's wake-ups flow ([`crate::store::wakeups::Wakeups`]): every
 //!   announcement about a key (a completion, a release, an operator's delete) evicts that
 //!   key, and when announcements stop (the listener is down) the whole cache is dropped and
 //!   bypassed until they flow again. So an operator's `keys delete` on any instance is seen

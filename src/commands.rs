@@ -20,6 +20,8 @@ pub enum CommandError {
     #[error("{0}")]
     Lookup(#[from] crate::keys::LookupError),
     #[error("{0}")]
+    App(#[from] crate::app::AppError),
+    #[error("{0}")]
     Other(String),
 }
 
@@ -31,6 +33,7 @@ impl CommandError {
             CommandError::Store(_)
             | CommandError::Io(_)
             | CommandError::Lookup(_)
+            | CommandError::App(_)
             | CommandError::Other(_) => 1,
         }
     }
@@ -39,7 +42,7 @@ impl CommandError {
 /// Opens the configured store. Postgres connects lazily (this succeeds with it down); the
 /// embedded store opens its file and takes its one-instance lock now.
 pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
-    crate::app::open(config).map(|(store, _)| store)
+    Ok(crate::app::open(config).map(|(store, _)| store)?)
 }
 
 /// `idemgate serve`: build the app on the configured addresses, then serve until
@@ -61,8 +64,9 @@ pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     }
     let gateway = Arc::clone(app.gateway());
     let drain_delay = app.config().server.drain_delay;
-    app.run(async move { crate::server::drain_on_signal(signals, &gateway, drain_delay).await })
-        .await
+    Ok(app
+        .run(async move { crate::server::drain_on_signal(signals, &gateway, drain_delay).await })
+        .await?)
 }
 
 /// `idemgate gc`: delete expired rows once.

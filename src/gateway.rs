@@ -44,27 +44,20 @@ use crate::config::Idempotency;
 use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{
-    Body, ClientInfo, UpstreamClient, UpstreamError, Upstreams, clean_response_headers, full,
-    stream,
+    Body, ClientInfo, UpstreamClient, UpstreamError, clean_response_headers, full, stream,
 };
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
 use crate::metrics::{Metrics, observed, outcome};
 use crate::problem::GatewayError;
 use crate::record::ForwardJob;
+use crate::routing::{LimitRegistry, Routing};
 use crate::serialize::Serializer;
 use crate::store::{Claim, ClaimRequest, Store};
 use crate::wait::{self, key_id};
 
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
-
-/// A duplicate is still in flight: come back in a second.
-pub(crate) fn in_flight_error() -> GatewayError {
-    GatewayError::InFlight {
-        retry_after: Duration::from_secs(1),
-    }
-}
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {
@@ -73,7 +66,7 @@ pub struct Gateway {
     routing: RwLock<Arc<Routing>>,
     pub(crate) store: Arc<dyn Store>,
     jobs: Arc<Jobs>,
-    pub(crate) serializer: Serializer,
+    pub(crate) serializer: Arc<Serializer>,
     pub(crate) metrics: Arc<Metrics>,
     /// Admission counters by upstream name, kept across reloads.
     limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
@@ -110,50 +103,6 @@ impl Readiness {
 
     pub fn store_was_ready(&self) -> bool {
         self.store_was_ready.load(Ordering::SeqCst)
-    }
-}
-
-/// One configuration and the upstream clients built from it.
-pub struct Routing {
-    pub config: Arc<Config>,
-    upstreams: Upstreams,
-}
-
-impl Routing {
-    fn new(config: Arc<Config>, gateway_limits: &LimitRegistry<'_>) -> Routing {
-        let upstreams = Upstreams::new(config.upstreams.values(), |up| gateway_limits.get(up));
-        Routing { config, upstreams }
-    }
-
-    pub(crate) fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
-        let route = self.config.routes.iter().find(|r| r.name == name)?;
-        let idem = route.idempotency.as_ref()?;
-        let upstream = self.upstreams.get(&route.upstream)?;
-        Some((route, idem, upstream))
-    }
-}
-
-/// Hands out each upstream's admission counter, the same one across reloads.
-struct LimitRegistry<'a> {
-    limits: &'a std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
-    metrics: &'a Metrics,
-}
-
-impl LimitRegistry<'_> {
-    fn get(&self, up: &crate::config::UpstreamConfig) -> Arc<UpstreamLimit> {
-        let mut limits = self.limits.lock().expect("limits lock");
-        let limit = limits.entry(up.name.clone()).or_insert_with(|| {
-            let gauge = self
-                .metrics
-                .upstream_in_flight
-                .get_or_create(&crate::metrics::UpstreamLabel {
-                    upstream: up.name.clone(),
-                })
-                .clone();
-            Arc::new(UpstreamLimit::new(up.max_in_flight, gauge))
-        });
-        limit.set_max(up.max_in_flight);
-        Arc::clone(limit)
     }
 }
 
@@ -255,7 +204,7 @@ impl Gateway {
             routing: RwLock::new(Arc::new(routing)),
             store,
             jobs,
-            serializer: Serializer::default(),
+            serializer: Arc::default(),
             metrics,
             limits,
             budget,
@@ -465,7 +414,7 @@ impl Gateway {
         // The connection's slot of `max_connections`: only a tunnel keeps it past this call.
         let connection = req
             .extensions_mut()
-            .remove::<crate::server::ConnectionSlot>();
+            .remove::<crate::limits::ConnectionSlot>();
         let raw = req.uri().path();
         let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
         let route = routing
@@ -733,7 +682,11 @@ impl KeyedWork {
         let mut waited = false;
         let found = match first {
             Claim::InFlight { .. } if idem.in_flight == InFlight::Reject => {
-                return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None);
+                return (
+                    Err(GatewayError::in_flight()),
+                    outcome::IN_FLIGHT_REJECTED,
+                    None,
+                );
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
@@ -743,7 +696,13 @@ impl KeyedWork {
                         waited = true;
                         found
                     }
-                    Ok(None) => return (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None),
+                    Ok(None) => {
+                        return (
+                            Err(GatewayError::in_flight()),
+                            outcome::IN_FLIGHT_REJECTED,
+                            None,
+                        );
+                    }
                     Err(e) => return (Err(e.into()), outcome::IN_FLIGHT_REJECTED, None),
                 }
             }
@@ -756,7 +715,9 @@ impl KeyedWork {
                     tracing::warn!(route = %route.name, key = %id, "took over an expired lease: the earlier attempt's outcome is unknown");
                 }
                 let job = ForwardJob {
-                    gateway: Arc::clone(&gateway),
+                    store: Arc::clone(&gateway.store),
+                    serializer: Arc::clone(&gateway.serializer),
+                    metrics: Arc::clone(&gateway.metrics),
                     routing: Arc::clone(&routing),
                     route: route.name.clone(),
                     scope: scope.clone(),
@@ -812,7 +773,11 @@ impl KeyedWork {
                 outcome::NOT_REPLAYABLE,
                 None,
             ),
-            Claim::InFlight { .. } => (Err(in_flight_error()), outcome::IN_FLIGHT_REJECTED, None),
+            Claim::InFlight { .. } => (
+                Err(GatewayError::in_flight()),
+                outcome::IN_FLIGHT_REJECTED,
+                None,
+            ),
         }
     }
 }
@@ -925,7 +890,7 @@ async fn tunnel(
     upstream: &UpstreamClient,
     req: Request<Body>,
     log: &mut RequestLog,
-    hold: (Admission, Option<crate::server::ConnectionSlot>),
+    hold: (Admission, Option<crate::limits::ConnectionSlot>),
     on_client: hyper::upgrade::OnUpgrade,
     route: &str,
 ) -> Result<Response<Body>, GatewayError> {

@@ -5,7 +5,8 @@
 //! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
 //! - [`server`]: listener, connection limit, header read timeout, drain and graceful shutdown.
 //! - [`path`]: path normalization before routing (one request, one spelling).
-//! - [`limits`]: admission bounds: upstream slots and buffered bytes.
+//! - [`limits`]: admission bounds: connection slots, upstream slots and buffered bytes.
+//! - [`routing`]: the configuration snapshot in force and its upstream clients.
 //! - [`access`]: request ids and the access log line of each request.
 //! - [`body`]: request bodies read within their limit, responses captured for the store.
 //! - [`record`]: a claimed request's forward and its fenced, retried recording.
@@ -57,6 +58,7 @@ pub mod problem;
 pub mod process;
 pub mod record;
 pub mod replay;
+pub mod routing;
 pub mod serialize;
 pub mod server;
 pub mod store;

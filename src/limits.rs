@@ -24,6 +24,24 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::OwnedSemaphorePermit;
+
+/// A connection's slot of `server.max_connections` (taken by the listener, `server.rs`),
+/// shared by the connection and its requests (in their extensions): freed when the last
+/// holder is gone. Only a tunnel keeps its request's copy past the response
+/// (`Gateway::route_request` drops it for everything else).
+#[derive(Clone)]
+pub struct ConnectionSlot {
+    _permit: Arc<OwnedSemaphorePermit>,
+}
+
+impl ConnectionSlot {
+    pub fn new(permit: OwnedSemaphorePermit) -> ConnectionSlot {
+        ConnectionSlot {
+            _permit: Arc::new(permit),
+        }
+    }
+}
 
 /// Slots of one upstream.
 pub struct UpstreamLimit {

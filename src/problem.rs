@@ -84,6 +84,15 @@ impl From<crate::fingerprint::FingerprintError> for GatewayError {
 }
 
 impl GatewayError {
+    /// A duplicate is still in flight: come back in a second.
+    pub fn in_flight() -> GatewayError {
+        GatewayError::InFlight {
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+impl GatewayError {
     /// The outcome name this error counts under in `idemgate_requests_total`.
     pub fn outcome(&self) -> &'static str {
         use crate::metrics::outcome as o;

@@ -21,16 +21,21 @@ use tokio::time::Instant;
 use crate::body::{Captured, Prefixed, read_capped};
 use crate::config::{Idempotency, Mode, OnUnknownOutcome};
 use crate::forward::{Body, UpstreamError, clean_response_headers, full, stream};
-use crate::gateway::{Gateway, Routing, in_flight_error};
 use crate::limits::Admission;
+use crate::metrics::Metrics;
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
+use crate::routing::Routing;
+use crate::serialize::Serializer;
+use crate::store::Store;
 use crate::store::{LeaseToken, Outcome, StoreError};
 use crate::wait::key_id;
 
 /// A claimed request on its way to the upstream, detached from the client connection.
 pub(crate) struct ForwardJob {
-    pub(crate) gateway: Arc<Gateway>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) serializer: Arc<Serializer>,
+    pub(crate) metrics: Arc<Metrics>,
     /// The configuration the request started with (a reload does not change it midway).
     pub(crate) routing: Arc<Routing>,
     pub(crate) route: String,
@@ -59,8 +64,8 @@ impl ForwardJob {
         let (_, idem, _) = routing
             .route(&self.route)
             .expect("the route of a claimed request exists");
-        let gateway = Arc::clone(&self.gateway);
-        let store = gateway.store.as_ref();
+        let store = Arc::clone(&self.store);
+        let store = store.as_ref();
         let held = match idem.serialize {
             // Serializing is enforcement: an observe route forwards at once.
             None => None,
@@ -73,7 +78,7 @@ impl ForwardJob {
                 let last_start = self.lease_ends
                     - upstream.config.timeout
                     - self.routing.config.store.record_bound() * 2;
-                let got = gateway
+                let got = self
                     .serializer
                     .acquire(store, &self.scope, ser, idem.lease, last_start)
                     .await;
@@ -86,7 +91,7 @@ impl ForwardJob {
                         }
                         return Err(match got {
                             Err(e) => GatewayError::Store(e),
-                            _ => in_flight_error(),
+                            _ => GatewayError::in_flight(),
                         });
                     }
                 }
@@ -226,12 +231,11 @@ impl ForwardJob {
     /// our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
         let written = self
-            .gateway
             .store
             .finish(&self.scope, &self.key, &self.token, outcome, ttl)
             .await?;
         if !written {
-            self.gateway.metrics.lease(&self.route, "lost");
+            self.metrics.lease(&self.route, "lost");
             tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
         }
         Ok(written)

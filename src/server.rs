@@ -28,22 +28,15 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
 use crate::gateway::Gateway;
+use crate::limits::ConnectionSlot;
 
 /// Concurrent requests on one h2 connection.
 const H2_MAX_STREAMS: u32 = 100;
-
-/// A connection's slot of `max_connections`, shared by the connection and its requests (in
-/// their extensions): freed when the last holder is gone. Only a tunnel keeps its request's
-/// copy past the response (`Gateway::route_request` drops it for everything else).
-#[derive(Clone)]
-pub struct ConnectionSlot {
-    _permit: Arc<OwnedSemaphorePermit>,
-}
 
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
 /// if the listener's TLS files cannot be loaded.
@@ -99,9 +92,7 @@ pub async fn run(
         let _ = stream.set_nodelay(true);
         let info = ClientInfo::new(addr, tls.is_some());
         let gw = Arc::clone(&gateway);
-        let permit = ConnectionSlot {
-            _permit: Arc::new(permit),
-        };
+        let permit = ConnectionSlot::new(permit);
         let slot = permit.clone();
         let svc = service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             let (gw, info) = (Arc::clone(&gw), info.clone());
