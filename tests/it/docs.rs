@@ -5,11 +5,13 @@
 use std::path::Path;
 
 /// The files a test path may live in: `holes::x` in tests/it/holes.rs, `path::tests::x` in
-/// src/path.rs, `conformance::postgres::x` in tests/it/conformance.rs.
+/// src/path.rs, `config::tests::x` in src/config/mod.rs, `conformance::postgres::x` in
+/// tests/it/conformance.rs.
 fn candidates(root: &Path, module: &str) -> Vec<std::path::PathBuf> {
     vec![
         root.join("tests/it").join(format!("{module}.rs")),
         root.join("src").join(format!("{module}.rs")),
+        root.join("src").join(module).join("mod.rs"),
         root.join("src/store").join(format!("{module}.rs")),
     ]
 }

@@ -1,0 +1,766 @@
+//! Validation: the raw configuration (`raw.rs`) turned into the typed [`Config`], with the
+//! defaults applied and every error naming its YAML path.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http::{HeaderName, Method};
+
+use super::raw::*;
+use super::*;
+
+fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => {
+            let d = parse_duration(s).map_err(|m| invalid(path, m))?;
+            if d.is_zero() {
+                return Err(invalid(path, "must be greater than zero"));
+            }
+            Ok(d)
+        }
+    }
+}
+
+/// As [`duration_or`], but zero is allowed (`0s` switches the delay off).
+fn duration_or_zero(
+    path: &str,
+    v: Option<&String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => parse_duration(s).map_err(|m| invalid(path, m)),
+    }
+}
+
+fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(RawSize::Bytes(n)) => usize::try_from(*n).map_err(|_| invalid(path, "too large")),
+        Some(RawSize::Text(s)) => parse_size(s).map_err(|m| invalid(path, m)),
+    }
+}
+
+fn socket_addr(path: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|_| {
+        invalid(
+            path,
+            format!("'{s}' is not an address: write IP:PORT, e.g. 0.0.0.0:8080"),
+        )
+    })
+}
+
+fn methods(path: &str, list: &[String]) -> Result<Vec<Method>, ConfigError> {
+    if list.is_empty() {
+        return Err(invalid(path, "must name at least one method"));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let upper = m.to_ascii_uppercase();
+            Method::from_bytes(upper.as_bytes())
+                .map_err(|_| invalid(format!("{path}[{i}]"), format!("'{m}' is not a method")))
+        })
+        .collect()
+}
+
+fn header_name(path: &str, s: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(s.as_bytes())
+        .map_err(|_| invalid(path, format!("'{s}' is not a valid header name")))
+}
+
+fn json_pointer(path: &str, s: &str) -> Result<String, ConfigError> {
+    if !s.starts_with('/') {
+        return Err(invalid(
+            path,
+            format!("'{s}' is not a JSON pointer: it must start with '/', e.g. /event_id"),
+        ));
+    }
+    Ok(s.to_string())
+}
+
+pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let listen = socket_addr("listen", raw.listen.as_deref().unwrap_or(defaults::LISTEN))?;
+
+    let admin = match raw.admin {
+        None => None,
+        Some(a) => {
+            if a.token.as_deref().is_some_and(|t| t.len() < 16) {
+                return Err(invalid(
+                    "admin.token",
+                    "must be at least 16 characters (it guards the key API)",
+                ));
+            }
+            let listen = socket_addr("admin.listen", &a.listen)?;
+            if !listen.ip().is_loopback() && a.token.is_none() {
+                return Err(invalid(
+                    "admin.token",
+                    format!(
+                        "is required when admin.listen ({listen}) is not a loopback address: \
+                         the key API can release and delete keys"
+                    ),
+                ));
+            }
+            Some(AdminConfig {
+                listen,
+                token: a.token,
+            })
+        }
+    };
+
+    let server_tls = match raw.server.tls {
+        None => None,
+        Some(t) => {
+            let files = TlsFiles {
+                cert: t.cert.into(),
+                key: t.key.into(),
+            };
+            // Load it now, so `check` and a reload catch a bad file, naming it.
+            crate::tls::server_config(&files.cert, &files.key)
+                .map_err(|m| invalid("server.tls", m))?;
+            Some(files)
+        }
+    };
+    let max_connections = raw
+        .server
+        .max_connections
+        .unwrap_or(defaults::MAX_CONNECTIONS);
+    if max_connections == 0 {
+        return Err(invalid("server.max_connections", "must be at least 1"));
+    }
+    let max_header_bytes = size_or(
+        "server.max_header_bytes",
+        raw.server.max_header_bytes.as_ref(),
+        defaults::MAX_HEADER_BYTES,
+    )?;
+    if max_header_bytes < 8192 {
+        return Err(invalid("server.max_header_bytes", "must be at least 8KiB"));
+    }
+    let server = ServerConfig {
+        max_connections,
+        max_header_bytes,
+        header_read_timeout: duration_or(
+            "server.header_read_timeout",
+            raw.server.header_read_timeout.as_ref(),
+            defaults::HEADER_READ_TIMEOUT,
+        )?,
+        body_read_timeout: duration_or(
+            "server.body_read_timeout",
+            raw.server.body_read_timeout.as_ref(),
+            defaults::BODY_READ_TIMEOUT,
+        )?,
+        shutdown_grace: duration_or(
+            "server.shutdown_grace",
+            raw.server.shutdown_grace.as_ref(),
+            defaults::SHUTDOWN_GRACE,
+        )?,
+        drain_delay: duration_or_zero(
+            "server.drain_delay",
+            raw.server.drain_delay.as_ref(),
+            defaults::DRAIN_DELAY,
+        )?,
+        max_buffered_bytes: size_or(
+            "server.max_buffered_bytes",
+            raw.server.max_buffered_bytes.as_ref(),
+            defaults::MAX_BUFFERED_BYTES,
+        )?,
+        worker_threads: match raw.server.worker_threads {
+            None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            Some(0) => return Err(invalid("server.worker_threads", "must be at least 1")),
+            Some(n) => n,
+        },
+        tls: server_tls,
+    };
+    if server.max_buffered_bytes == 0 {
+        return Err(invalid("server.max_buffered_bytes", "must be at least 1"));
+    }
+
+    let store = match (raw.store.postgres, raw.store.sqlite) {
+        (None, None) => {
+            return Err(invalid(
+                "store",
+                "give 'postgres: { url: ... }' or 'sqlite: { path: ... }'",
+            ));
+        }
+        (Some(_), Some(_)) => {
+            return Err(invalid(
+                "store",
+                "give either 'postgres' or 'sqlite', not both",
+            ));
+        }
+        (None, Some(sq)) => {
+            if cfg!(not(feature = "sqlite")) {
+                return Err(invalid(
+                    "store.sqlite",
+                    "this build has no embedded store (built without the 'sqlite' feature)",
+                ));
+            }
+            if sq.path.is_empty() {
+                return Err(invalid("store.sqlite.path", "must not be empty"));
+            }
+            StoreConfig::Sqlite(SqliteConfig {
+                path: sq.path.into(),
+                busy_timeout: duration_or(
+                    "store.sqlite.busy_timeout",
+                    sq.busy_timeout.as_ref(),
+                    defaults::SQLITE_BUSY_TIMEOUT,
+                )?,
+            })
+        }
+        (Some(pg), None) => {
+            let (tls_mode, tls_ca) = match &pg.tls {
+                None => (PgTlsMode::Disable, None),
+                Some(tls) => {
+                    let mode = match tls.mode.as_str() {
+                        "disable" => PgTlsMode::Disable,
+                        "require" => PgTlsMode::Require,
+                        "verify-full" => PgTlsMode::VerifyFull,
+                        other => {
+                            return Err(invalid(
+                                "store.postgres.tls.mode",
+                                format!("'{other}' is not one of disable, require, verify-full"),
+                            ));
+                        }
+                    };
+                    let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
+                    if let Some(ca) = &ca {
+                        if mode != PgTlsMode::VerifyFull {
+                            return Err(invalid(
+                                "store.postgres.tls.ca",
+                                "only 'verify-full' checks certificates against a CA",
+                            ));
+                        }
+                        crate::tls::roots(Some(ca))
+                            .map_err(|m| invalid("store.postgres.tls.ca", m))?;
+                    } else if mode == PgTlsMode::VerifyFull {
+                        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
+                    }
+                    (mode, ca)
+                }
+            };
+            if pg.url.parse::<tokio_postgres::Config>().is_err() {
+                // Never echo the URL: it may hold a password.
+                return Err(invalid(
+                    "store.postgres.url",
+                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+                ));
+            }
+            if let Some(listen) = &pg.listen_url
+                && listen.parse::<tokio_postgres::Config>().is_err()
+            {
+                return Err(invalid(
+                    "store.postgres.listen_url",
+                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+                ));
+            }
+            let pooler = match pg.pooler.as_deref() {
+                None | Some("none") => Pooler::None,
+                Some("transaction") => Pooler::Transaction,
+                Some(other) => {
+                    return Err(invalid(
+                        "store.postgres.pooler",
+                        format!("'{other}' is not one of none, transaction"),
+                    ));
+                }
+            };
+            let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
+            if pool_size == 0 {
+                return Err(invalid("store.postgres.pool_size", "must be at least 1"));
+            }
+            StoreConfig::Postgres(PostgresConfig {
+                listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
+                url: pg.url,
+                pooler,
+                pool_size,
+                acquire_timeout: duration_or(
+                    "store.postgres.acquire_timeout",
+                    pg.acquire_timeout.as_ref(),
+                    defaults::ACQUIRE_TIMEOUT,
+                )?,
+                connect_timeout: duration_or(
+                    "store.postgres.connect_timeout",
+                    pg.connect_timeout.as_ref(),
+                    defaults::PG_CONNECT_TIMEOUT,
+                )?,
+                statement_timeout: duration_or(
+                    "store.postgres.statement_timeout",
+                    pg.statement_timeout.as_ref(),
+                    defaults::STATEMENT_TIMEOUT,
+                )?,
+                tls: tls_mode,
+                tls_ca,
+                allow_async_commit: pg.allow_async_commit.unwrap_or(false),
+            })
+        }
+    };
+
+    let gc = GcConfig {
+        interval: duration_or(
+            "store.gc.interval",
+            raw.store.gc.as_ref().and_then(|g| g.interval.as_ref()),
+            defaults::GC_INTERVAL,
+        )?,
+        batch_size: match raw.store.gc.as_ref().and_then(|g| g.batch_size) {
+            None => defaults::GC_BATCH_SIZE,
+            Some(0) => return Err(invalid("store.gc.batch_size", "must be at least 1")),
+            Some(n) => n,
+        },
+    };
+
+    let mut upstreams = BTreeMap::new();
+    for (name, up) in raw.upstreams {
+        let base = format!("upstreams.{name}");
+        let url: http::Uri = up
+            .url
+            .parse()
+            .map_err(|_| invalid(format!("{base}.url"), format!("'{}' is not a URL", up.url)))?;
+        let https = match url.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => {
+                return Err(invalid(
+                    format!("{base}.url"),
+                    "must start with http:// or https://, e.g. http://127.0.0.1:9000",
+                ));
+            }
+        };
+        let tls_ca = match up.tls.and_then(|t| t.ca) {
+            None => None,
+            Some(ca) => {
+                if !https {
+                    return Err(invalid(
+                        format!("{base}.tls.ca"),
+                        "only an https:// upstream uses a CA",
+                    ));
+                }
+                let ca = std::path::PathBuf::from(ca);
+                crate::tls::roots(Some(&ca)).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+                Some(ca)
+            }
+        };
+        if https && tls_ca.is_none() {
+            // Without a CA file the platform's roots verify it: there must be some.
+            crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+        }
+        if url.authority().is_none() {
+            return Err(invalid(format!("{base}.url"), "has no host"));
+        }
+        if url.query().is_some() {
+            return Err(invalid(format!("{base}.url"), "must not have a query"));
+        }
+        let timeout = duration_or(
+            &format!("{base}.timeout"),
+            up.timeout.as_ref(),
+            defaults::UPSTREAM_TIMEOUT,
+        )?;
+        // Unset, it is the default or half of `timeout`, whichever is shorter.
+        let connect_timeout = duration_or(
+            &format!("{base}.connect_timeout"),
+            up.connect_timeout.as_ref(),
+            defaults::UPSTREAM_CONNECT_TIMEOUT.min(timeout / 2),
+        )?;
+        // A connect that runs into `timeout` would be reported as a timeout (outcome
+        // unknown) although nothing was sent; so connecting must give up first.
+        if connect_timeout >= timeout {
+            return Err(invalid(
+                format!("{base}.connect_timeout"),
+                format!(
+                    "must be shorter than {base}.timeout ({}), so a failed connect is told \
+                     apart from a request that may have been processed",
+                    fmt_duration(timeout)
+                ),
+            ));
+        }
+        let max_in_flight = up.max_in_flight.unwrap_or(defaults::UPSTREAM_MAX_IN_FLIGHT);
+        if max_in_flight == 0 {
+            return Err(invalid(
+                format!("{base}.max_in_flight"),
+                "must be at least 1",
+            ));
+        }
+        upstreams.insert(
+            name.clone(),
+            UpstreamConfig {
+                name: name.clone(),
+                url,
+                connect_timeout,
+                timeout,
+                max_in_flight,
+                tls_ca,
+                http2: up.http2.unwrap_or(false),
+                preserve_host: up.preserve_host.unwrap_or(false),
+            },
+        );
+    }
+
+    if raw.routes.is_empty() {
+        return Err(invalid("routes", "must list at least one route"));
+    }
+    let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
+    for (i, r) in raw.routes.into_iter().enumerate() {
+        let base = format!("routes[{i}]");
+        if r.name.is_empty() {
+            return Err(invalid(format!("{base}.name"), "must not be empty"));
+        }
+        if routes.iter().any(|other| other.name == r.name) {
+            return Err(invalid(
+                format!("{base}.name"),
+                format!("route name '{}' is used twice", r.name),
+            ));
+        }
+        let upstream = upstreams.get(&r.upstream).ok_or_else(|| {
+            let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+            invalid(
+                format!("{base}.upstream"),
+                format!(
+                    "no upstream named '{}' (known: {})",
+                    r.upstream,
+                    known.join(", ")
+                ),
+            )
+        })?;
+        let path = match (r.matcher.path, r.matcher.path_prefix) {
+            (Some(p), None) => PathMatch::Exact(p),
+            (None, Some(p)) => PathMatch::Prefix(p),
+            _ => {
+                return Err(invalid(
+                    format!("{base}.match"),
+                    "give exactly one of 'path' or 'path_prefix'",
+                ));
+            }
+        };
+        let path = {
+            let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
+            if !p.starts_with('/') {
+                return Err(invalid(
+                    format!("{base}.match"),
+                    "paths must start with '/'",
+                ));
+            }
+            // Requests are matched in normal form (SPEC 8.1), so the configured path is too.
+            let normal = crate::path::normalize(p)
+                .map_err(|e| invalid(format!("{base}.match"), e.to_string()))?
+                .into_owned();
+            match path {
+                PathMatch::Exact(_) => PathMatch::Exact(normal),
+                PathMatch::Prefix(_) => {
+                    let trimmed = normal.strip_suffix('/').filter(|s| !s.is_empty());
+                    PathMatch::Prefix(trimmed.map(str::to_string).unwrap_or(normal))
+                }
+            }
+        };
+        let route_methods = match &r.matcher.methods {
+            None => None,
+            Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
+        };
+        let idempotency = match r.idempotency {
+            None => None,
+            Some(idem) => Some(validate_idempotency(
+                &format!("{base}.idempotency"),
+                idem,
+                upstream,
+                store.record_bound(),
+            )?),
+        };
+        if let Some(idem) = &idempotency
+            && idem.max_request_body > server.max_buffered_bytes
+        {
+            return Err(invalid(
+                format!("{base}.idempotency.max_request_body"),
+                format!(
+                    "must not be larger than server.max_buffered_bytes ({} bytes): such a \
+                     body could never be admitted",
+                    server.max_buffered_bytes
+                ),
+            ));
+        }
+        routes.push(Route {
+            name: r.name,
+            path,
+            methods: route_methods,
+            upstream: r.upstream,
+            idempotency,
+        });
+    }
+
+    Ok(Config {
+        listen,
+        admin,
+        server,
+        store,
+        gc,
+        replay_cache_bytes: size_or(
+            "replay_cache.max_bytes",
+            raw.replay_cache.as_ref().and_then(|c| c.max_bytes.as_ref()),
+            defaults::REPLAY_CACHE_BYTES,
+        )?,
+        log_format: raw.log.and_then(|l| l.format).unwrap_or_default(),
+        upstreams,
+        routes,
+    })
+}
+
+fn validate_idempotency(
+    base: &str,
+    raw: RawIdempotency,
+    upstream: &UpstreamConfig,
+    record_bound: Duration,
+) -> Result<Idempotency, ConfigError> {
+    let serialize = match &raw.serialize {
+        None => None,
+        Some(ser) => {
+            let max_in_flight = ser.max_in_flight.unwrap_or(1);
+            if max_in_flight == 0 {
+                return Err(invalid(
+                    format!("{base}.serialize.max_in_flight"),
+                    "must be at least 1",
+                ));
+            }
+            Some(SerializeConfig {
+                max_in_flight,
+                wait_timeout: duration_or(
+                    &format!("{base}.serialize.wait_timeout"),
+                    ser.wait_timeout.as_ref(),
+                    defaults::WAIT_TIMEOUT,
+                )?,
+            })
+        }
+    };
+    let key = match raw.key {
+        None => vec![KeySource::Header(HeaderName::from_static(
+            defaults::KEY_HEADER,
+        ))],
+        Some(list) if list.is_empty() => {
+            return Err(invalid(
+                format!("{base}.key"),
+                "must list at least one source",
+            ));
+        }
+        Some(list) => list
+            .into_iter()
+            .enumerate()
+            .map(|(i, k)| {
+                let p = format!("{base}.key[{i}]");
+                Ok(match k {
+                    RawKeySource::Header(h) => KeySource::Header(header_name(&p, &h)?),
+                    RawKeySource::Json(ptr) => KeySource::Json(json_pointer(&p, &ptr)?),
+                })
+            })
+            .collect::<Result<_, ConfigError>>()?,
+    };
+    let scope_path = format!("{base}.scope");
+    let scope = match raw.scope {
+        None => ScopeSource::Fixed("default".into()),
+        Some(RawScope::Header(h)) => ScopeSource::Header(header_name(&scope_path, &h)?),
+        Some(RawScope::Json(p)) => ScopeSource::Json(json_pointer(&scope_path, &p)?),
+        Some(RawScope::Authorization(true)) => ScopeSource::Authorization,
+        Some(RawScope::Authorization(false)) => {
+            return Err(invalid(
+                scope_path,
+                "'authorization: false' means nothing: choose header, json, authorization: true or fixed",
+            ));
+        }
+        Some(RawScope::Fixed(name)) => {
+            if name.is_empty() || name.len() > 255 {
+                return Err(invalid(scope_path, "a fixed scope must be 1-255 bytes"));
+            }
+            ScopeSource::Fixed(name)
+        }
+    };
+    let idem_methods = match &raw.methods {
+        None => defaults::METHODS
+            .iter()
+            .map(|m| Method::from_bytes(m.as_bytes()).expect("static method"))
+            .collect(),
+        Some(list) => methods(&format!("{base}.methods"), list)?,
+    };
+    let fp = raw.fingerprint.unwrap_or_default();
+    let fingerprint = FingerprintConfig {
+        headers: fp
+            .headers
+            .iter()
+            .enumerate()
+            .map(|(i, h)| header_name(&format!("{base}.fingerprint.headers[{i}]"), h))
+            .collect::<Result<_, _>>()?,
+        json_canonical: fp.json_canonical,
+        json_ignore: fp
+            .json_ignore
+            .iter()
+            .enumerate()
+            .map(|(i, p)| json_pointer(&format!("{base}.fingerprint.json_ignore[{i}]"), p))
+            .collect::<Result<_, _>>()?,
+    };
+    if !fingerprint.json_ignore.is_empty() && !fingerprint.json_canonical {
+        return Err(invalid(
+            format!("{base}.fingerprint.json_ignore"),
+            "needs 'json_canonical: true' (fields can only be ignored in a parsed body)",
+        ));
+    }
+    let ttl = duration_or(&format!("{base}.ttl"), raw.ttl.as_ref(), defaults::TTL)?;
+    let lease = duration_or(
+        &format!("{base}.lease"),
+        raw.lease.as_ref(),
+        upstream.timeout
+            + defaults::LEASE_MARGIN
+            + serialize.map_or(Duration::ZERO, |s| s.wait_timeout),
+    )?;
+    if lease <= upstream.timeout {
+        return Err(invalid(
+            format!("{base}.lease"),
+            format!(
+                "must be longer than upstream '{}' timeout ({})",
+                upstream.name,
+                fmt_duration(upstream.timeout)
+            ),
+        ));
+    }
+    if lease <= upstream.timeout + record_bound {
+        return Err(invalid(
+            format!("{base}.lease"),
+            format!(
+                "must be longer than upstream '{}' timeout ({}) plus the time to record the answer \
+                 (the store's acquire_timeout + statement_timeout = {})",
+                upstream.name,
+                fmt_duration(upstream.timeout),
+                fmt_duration(record_bound)
+            ),
+        ));
+    }
+    if let Some(ser) = &serialize
+        && lease <= upstream.timeout + record_bound + ser.wait_timeout
+    {
+        return Err(invalid(
+            format!("{base}.lease"),
+            format!(
+                "must be longer than upstream '{}' timeout ({}) plus serialize.wait_timeout ({}) \
+                 plus the time to record the answer ({}): the claim is held while a slot is awaited",
+                upstream.name,
+                fmt_duration(upstream.timeout),
+                fmt_duration(ser.wait_timeout),
+                fmt_duration(record_bound)
+            ),
+        ));
+    }
+    if ttl < lease {
+        return Err(invalid(
+            format!("{base}.ttl"),
+            format!(
+                "must not be shorter than the lease ({})",
+                fmt_duration(lease)
+            ),
+        ));
+    }
+    let retry_statuses = match raw.retry_statuses {
+        None => StatusSet(defaults::RETRY_STATUSES.to_vec()),
+        Some(list) => StatusSet(
+            list.into_iter()
+                .enumerate()
+                .map(|(i, s)| status_range(&format!("{base}.retry_statuses[{i}]"), s))
+                .collect::<Result<_, _>>()?,
+        ),
+    };
+    let replay_headers = match raw.replay_headers {
+        None => defaults::REPLAY_HEADERS
+            .iter()
+            .map(|h| HeaderName::from_static(h))
+            .collect(),
+        Some(list) => list
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let p = format!("{base}.replay_headers[{i}]");
+                let name = header_name(&p, h)?;
+                if crate::forward::is_hop_by_hop(&name) {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' is a hop-by-hop header and is never stored"),
+                    ));
+                }
+                if name == http::header::TRAILER {
+                    return Err(invalid(
+                        p,
+                        format!("'{h}' announces trailers, and trailers are never stored"),
+                    ));
+                }
+                Ok(name)
+            })
+            .collect::<Result<_, _>>()?,
+    };
+    let forward_key_header = header_name(
+        &format!("{base}.forward_key_header"),
+        raw.forward_key_header
+            .as_deref()
+            .unwrap_or(defaults::KEY_HEADER),
+    )?;
+    let max_stored_response = size_or(
+        &format!("{base}.max_stored_response"),
+        raw.max_stored_response.as_ref(),
+        defaults::MAX_STORED_RESPONSE,
+    )?;
+    Ok(Idempotency {
+        mode: raw.mode.unwrap_or_default(),
+        key,
+        scope,
+        required: raw.required.unwrap_or(false),
+        methods: idem_methods,
+        fingerprint,
+        ttl,
+        lease,
+        in_flight: raw.in_flight.unwrap_or(InFlight::Wait),
+        wait_timeout: duration_or(
+            &format!("{base}.wait_timeout"),
+            raw.wait_timeout.as_ref(),
+            defaults::WAIT_TIMEOUT,
+        )?,
+        retry_statuses,
+        on_unknown_outcome: raw
+            .on_unknown_outcome
+            .unwrap_or(OnUnknownOutcome::Reforward),
+        on_store_error: raw.on_store_error.unwrap_or(OnStoreError::Reject),
+        max_request_body: size_or(
+            &format!("{base}.max_request_body"),
+            raw.max_request_body.as_ref(),
+            defaults::MAX_REQUEST_BODY,
+        )?,
+        max_stored_response,
+        replay_headers,
+        forward_key_header,
+        serialize,
+    })
+}
+
+fn status_range(path: &str, s: RawStatus) -> Result<(u16, u16), ConfigError> {
+    let check = |n: u16| {
+        if (100..=599).contains(&n) {
+            Ok(n)
+        } else {
+            Err(invalid(
+                path,
+                format!("{n} is not an HTTP status (100-599)"),
+            ))
+        }
+    };
+    match s {
+        RawStatus::Code(n) => Ok((check(n)?, n)),
+        RawStatus::Range(text) => {
+            let bad = || {
+                invalid(
+                    path,
+                    format!("'{text}' is not a status or a range like 500-599"),
+                )
+            };
+            let (lo, hi) = match text.split_once('-') {
+                Some((a, b)) => (a.trim(), b.trim()),
+                None => (text.trim(), text.trim()),
+            };
+            let lo = check(lo.parse().map_err(|_| bad())?)?;
+            let hi = check(hi.parse().map_err(|_| bad())?)?;
+            if lo > hi {
+                return Err(bad());
+            }
+            Ok((lo, hi))
+        }
+    }
+}
