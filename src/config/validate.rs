@@ -1,5 +1,12 @@
 //! Validation: the raw configuration (`raw.rs`) turned into the typed [`Config`], with the
 //! defaults applied and every error naming its YAML path.
+//!
+//! `validate` calls one function per top-level section, in this order: `listen`, `admin`,
+//! `server`, `store` (with `store.gc`), `upstreams`, `routes` (each route's `idempotency` in
+//! `validate_idempotency`), `replay_cache` and `log`. The first problem found is the one
+//! reported, so the order is part of the behaviour. Sections validated later may depend on
+//! earlier ones: a route needs its upstream, the store's record bound and
+//! `server.max_buffered_bytes`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -7,132 +14,92 @@ use std::time::Duration;
 
 use http::{HeaderName, Method};
 
-use super::raw::*;
-use super::*;
+use super::raw::{
+    RawAdmin, RawConfig, RawIdempotency, RawKeySource, RawLog, RawPostgres, RawReplayCache,
+    RawRoute, RawScope, RawServer, RawSize, RawSqlite, RawStatus, RawStore, RawUpstream,
+};
+use super::{
+    AdminConfig, Config, ConfigError, FingerprintConfig, GcConfig, Idempotency, InFlight,
+    KeySource, LogFormat, OnStoreError, OnUnknownOutcome, PathMatch, PgTlsMode, Pooler,
+    PostgresConfig, Route, ScopeSource, SerializeConfig, ServerConfig, SqliteConfig, StatusSet,
+    StoreConfig, TlsFiles, UpstreamConfig, defaults, fmt_duration, invalid, parse_duration,
+    parse_size,
+};
 
-fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Duration, ConfigError> {
-    match v {
-        None => Ok(default),
-        Some(s) => {
-            let d = parse_duration(s).map_err(|m| invalid(path, m))?;
-            if d.is_zero() {
-                return Err(invalid(path, "must be greater than zero"));
-            }
-            Ok(d)
-        }
-    }
-}
-
-/// As [`duration_or`], but zero is allowed (`0s` switches the delay off).
-fn duration_or_zero(
-    path: &str,
-    v: Option<&String>,
-    default: Duration,
-) -> Result<Duration, ConfigError> {
-    match v {
-        None => Ok(default),
-        Some(s) => parse_duration(s).map_err(|m| invalid(path, m)),
-    }
-}
-
-fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
-    match v {
-        None => Ok(default),
-        Some(RawSize::Bytes(n)) => usize::try_from(*n).map_err(|_| invalid(path, "too large")),
-        Some(RawSize::Text(s)) => parse_size(s).map_err(|m| invalid(path, m)),
-    }
-}
-
-fn socket_addr(path: &str, s: &str) -> Result<SocketAddr, ConfigError> {
-    s.parse().map_err(|_| {
-        invalid(
-            path,
-            format!("'{s}' is not an address: write IP:PORT, e.g. 0.0.0.0:8080"),
-        )
+/// Raw to typed, section by section.
+pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
+    let listen = validate_listen(raw.listen.as_deref())?;
+    let admin = raw.admin.map(validate_admin).transpose()?;
+    let server = validate_server(raw.server)?;
+    let (store, gc) = validate_store(raw.store)?;
+    let upstreams = validate_upstreams(raw.upstreams)?;
+    let routes = validate_routes(raw.routes, &upstreams, &store, &server)?;
+    let replay_cache_bytes = validate_replay_cache(raw.replay_cache.as_ref())?;
+    let log_format = validate_log(raw.log);
+    Ok(Config {
+        listen,
+        admin,
+        server,
+        store,
+        gc,
+        replay_cache_bytes,
+        log_format,
+        upstreams,
+        routes,
     })
 }
 
-fn methods(path: &str, list: &[String]) -> Result<Vec<Method>, ConfigError> {
-    if list.is_empty() {
-        return Err(invalid(path, "must name at least one method"));
-    }
-    list.iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let upper = m.to_ascii_uppercase();
-            Method::from_bytes(upper.as_bytes())
-                .map_err(|_| invalid(format!("{path}[{i}]"), format!("'{m}' is not a method")))
-        })
-        .collect()
+/// `listen`.
+fn validate_listen(raw: Option<&str>) -> Result<SocketAddr, ConfigError> {
+    socket_addr("listen", raw.unwrap_or(defaults::LISTEN))
 }
 
-fn header_name(path: &str, s: &str) -> Result<HeaderName, ConfigError> {
-    HeaderName::from_bytes(s.as_bytes())
-        .map_err(|_| invalid(path, format!("'{s}' is not a valid header name")))
-}
-
-fn json_pointer(path: &str, s: &str) -> Result<String, ConfigError> {
-    if !s.starts_with('/') {
+/// `admin`: a token guards the key API, and is required off loopback.
+fn validate_admin(raw: RawAdmin) -> Result<AdminConfig, ConfigError> {
+    if raw.token.as_deref().is_some_and(|t| t.len() < 16) {
         return Err(invalid(
-            path,
-            format!("'{s}' is not a JSON pointer: it must start with '/', e.g. /event_id"),
+            "admin.token",
+            "must be at least 16 characters (it guards the key API)",
         ));
     }
-    Ok(s.to_string())
+    let listen = socket_addr("admin.listen", &raw.listen)?;
+    if !listen.ip().is_loopback() && raw.token.is_none() {
+        return Err(invalid(
+            "admin.token",
+            format!(
+                "is required when admin.listen ({listen}) is not a loopback address: \
+                 the key API can release and delete keys"
+            ),
+        ));
+    }
+    Ok(AdminConfig {
+        listen,
+        token: raw.token,
+    })
 }
 
-pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
-    let listen = socket_addr("listen", raw.listen.as_deref().unwrap_or(defaults::LISTEN))?;
-
-    let admin = match raw.admin {
-        None => None,
-        Some(a) => {
-            if a.token.as_deref().is_some_and(|t| t.len() < 16) {
-                return Err(invalid(
-                    "admin.token",
-                    "must be at least 16 characters (it guards the key API)",
-                ));
-            }
-            let listen = socket_addr("admin.listen", &a.listen)?;
-            if !listen.ip().is_loopback() && a.token.is_none() {
-                return Err(invalid(
-                    "admin.token",
-                    format!(
-                        "is required when admin.listen ({listen}) is not a loopback address: \
-                         the key API can release and delete keys"
-                    ),
-                ));
-            }
-            Some(AdminConfig {
-                listen,
-                token: a.token,
-            })
-        }
-    };
-
-    let server_tls = match raw.server.tls {
+/// `server`: limits, timeouts, and the listener's TLS files (loaded now, so `check` and a
+/// reload catch a bad file, naming it).
+fn validate_server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
+    let tls = match raw.tls {
         None => None,
         Some(t) => {
             let files = TlsFiles {
                 cert: t.cert.into(),
                 key: t.key.into(),
             };
-            // Load it now, so `check` and a reload catch a bad file, naming it.
             crate::tls::server_config(&files.cert, &files.key)
                 .map_err(|m| invalid("server.tls", m))?;
             Some(files)
         }
     };
-    let max_connections = raw
-        .server
-        .max_connections
-        .unwrap_or(defaults::MAX_CONNECTIONS);
+    let max_connections = raw.max_connections.unwrap_or(defaults::MAX_CONNECTIONS);
     if max_connections == 0 {
         return Err(invalid("server.max_connections", "must be at least 1"));
     }
     let max_header_bytes = size_or(
         "server.max_header_bytes",
-        raw.server.max_header_bytes.as_ref(),
+        raw.max_header_bytes.as_ref(),
         defaults::MAX_HEADER_BYTES,
     )?;
     if max_header_bytes < 8192 {
@@ -143,41 +110,45 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         max_header_bytes,
         header_read_timeout: duration_or(
             "server.header_read_timeout",
-            raw.server.header_read_timeout.as_ref(),
+            raw.header_read_timeout.as_ref(),
             defaults::HEADER_READ_TIMEOUT,
         )?,
         body_read_timeout: duration_or(
             "server.body_read_timeout",
-            raw.server.body_read_timeout.as_ref(),
+            raw.body_read_timeout.as_ref(),
             defaults::BODY_READ_TIMEOUT,
         )?,
         shutdown_grace: duration_or(
             "server.shutdown_grace",
-            raw.server.shutdown_grace.as_ref(),
+            raw.shutdown_grace.as_ref(),
             defaults::SHUTDOWN_GRACE,
         )?,
         drain_delay: duration_or_zero(
             "server.drain_delay",
-            raw.server.drain_delay.as_ref(),
+            raw.drain_delay.as_ref(),
             defaults::DRAIN_DELAY,
         )?,
         max_buffered_bytes: size_or(
             "server.max_buffered_bytes",
-            raw.server.max_buffered_bytes.as_ref(),
+            raw.max_buffered_bytes.as_ref(),
             defaults::MAX_BUFFERED_BYTES,
         )?,
-        worker_threads: match raw.server.worker_threads {
+        worker_threads: match raw.worker_threads {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
             Some(0) => return Err(invalid("server.worker_threads", "must be at least 1")),
             Some(n) => n,
         },
-        tls: server_tls,
+        tls,
     };
     if server.max_buffered_bytes == 0 {
         return Err(invalid("server.max_buffered_bytes", "must be at least 1"));
     }
+    Ok(server)
+}
 
-    let store = match (raw.store.postgres, raw.store.sqlite) {
+/// `store`: exactly one of `postgres` and `sqlite`, then `gc`.
+fn validate_store(raw: RawStore) -> Result<(StoreConfig, GcConfig), ConfigError> {
+    let store = match (raw.postgres, raw.sqlite) {
         (None, None) => {
             return Err(invalid(
                 "store",
@@ -190,216 +161,237 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 "give either 'postgres' or 'sqlite', not both",
             ));
         }
-        (None, Some(sq)) => {
-            if cfg!(not(feature = "sqlite")) {
-                return Err(invalid(
-                    "store.sqlite",
-                    "this build has no embedded store (built without the 'sqlite' feature)",
-                ));
-            }
-            if sq.path.is_empty() {
-                return Err(invalid("store.sqlite.path", "must not be empty"));
-            }
-            StoreConfig::Sqlite(SqliteConfig {
-                path: sq.path.into(),
-                busy_timeout: duration_or(
-                    "store.sqlite.busy_timeout",
-                    sq.busy_timeout.as_ref(),
-                    defaults::SQLITE_BUSY_TIMEOUT,
-                )?,
-            })
-        }
-        (Some(pg), None) => {
-            let (tls_mode, tls_ca) = match &pg.tls {
-                None => (PgTlsMode::Disable, None),
-                Some(tls) => {
-                    let mode = match tls.mode.as_str() {
-                        "disable" => PgTlsMode::Disable,
-                        "require" => PgTlsMode::Require,
-                        "verify-full" => PgTlsMode::VerifyFull,
-                        other => {
-                            return Err(invalid(
-                                "store.postgres.tls.mode",
-                                format!("'{other}' is not one of disable, require, verify-full"),
-                            ));
-                        }
-                    };
-                    let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
-                    if let Some(ca) = &ca {
-                        if mode != PgTlsMode::VerifyFull {
-                            return Err(invalid(
-                                "store.postgres.tls.ca",
-                                "only 'verify-full' checks certificates against a CA",
-                            ));
-                        }
-                        crate::tls::roots(Some(ca))
-                            .map_err(|m| invalid("store.postgres.tls.ca", m))?;
-                    } else if mode == PgTlsMode::VerifyFull {
-                        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
-                    }
-                    (mode, ca)
-                }
-            };
-            if pg.url.parse::<tokio_postgres::Config>().is_err() {
-                // Never echo the URL: it may hold a password.
-                return Err(invalid(
-                    "store.postgres.url",
-                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
-                ));
-            }
-            if let Some(listen) = &pg.listen_url
-                && listen.parse::<tokio_postgres::Config>().is_err()
-            {
-                return Err(invalid(
-                    "store.postgres.listen_url",
-                    "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
-                ));
-            }
-            let pooler = match pg.pooler.as_deref() {
-                None | Some("none") => Pooler::None,
-                Some("transaction") => Pooler::Transaction,
-                Some(other) => {
-                    return Err(invalid(
-                        "store.postgres.pooler",
-                        format!("'{other}' is not one of none, transaction"),
-                    ));
-                }
-            };
-            let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
-            if pool_size == 0 {
-                return Err(invalid("store.postgres.pool_size", "must be at least 1"));
-            }
-            StoreConfig::Postgres(PostgresConfig {
-                listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
-                url: pg.url,
-                pooler,
-                pool_size,
-                acquire_timeout: duration_or(
-                    "store.postgres.acquire_timeout",
-                    pg.acquire_timeout.as_ref(),
-                    defaults::ACQUIRE_TIMEOUT,
-                )?,
-                connect_timeout: duration_or(
-                    "store.postgres.connect_timeout",
-                    pg.connect_timeout.as_ref(),
-                    defaults::PG_CONNECT_TIMEOUT,
-                )?,
-                statement_timeout: duration_or(
-                    "store.postgres.statement_timeout",
-                    pg.statement_timeout.as_ref(),
-                    defaults::STATEMENT_TIMEOUT,
-                )?,
-                tls: tls_mode,
-                tls_ca,
-                allow_async_commit: pg.allow_async_commit.unwrap_or(false),
-            })
-        }
+        (None, Some(sq)) => StoreConfig::Sqlite(validate_sqlite(sq)?),
+        (Some(pg), None) => StoreConfig::Postgres(validate_postgres(pg)?),
     };
-
     let gc = GcConfig {
         interval: duration_or(
             "store.gc.interval",
-            raw.store.gc.as_ref().and_then(|g| g.interval.as_ref()),
+            raw.gc.as_ref().and_then(|g| g.interval.as_ref()),
             defaults::GC_INTERVAL,
         )?,
-        batch_size: match raw.store.gc.as_ref().and_then(|g| g.batch_size) {
+        batch_size: match raw.gc.as_ref().and_then(|g| g.batch_size) {
             None => defaults::GC_BATCH_SIZE,
             Some(0) => return Err(invalid("store.gc.batch_size", "must be at least 1")),
             Some(n) => n,
         },
     };
+    Ok((store, gc))
+}
 
-    let mut upstreams = BTreeMap::new();
-    for (name, up) in raw.upstreams {
-        let base = format!("upstreams.{name}");
-        let url: http::Uri = up
-            .url
-            .parse()
-            .map_err(|_| invalid(format!("{base}.url"), format!("'{}' is not a URL", up.url)))?;
-        let https = match url.scheme_str() {
-            Some("http") => false,
-            Some("https") => true,
-            _ => {
-                return Err(invalid(
-                    format!("{base}.url"),
-                    "must start with http:// or https://, e.g. http://127.0.0.1:9000",
-                ));
-            }
-        };
-        let tls_ca = match up.tls.and_then(|t| t.ca) {
-            None => None,
-            Some(ca) => {
-                if !https {
+/// `store.sqlite`.
+fn validate_sqlite(sq: RawSqlite) -> Result<SqliteConfig, ConfigError> {
+    if cfg!(not(feature = "sqlite")) {
+        return Err(invalid(
+            "store.sqlite",
+            "this build has no embedded store (built without the 'sqlite' feature)",
+        ));
+    }
+    if sq.path.is_empty() {
+        return Err(invalid("store.sqlite.path", "must not be empty"));
+    }
+    Ok(SqliteConfig {
+        path: sq.path.into(),
+        busy_timeout: duration_or(
+            "store.sqlite.busy_timeout",
+            sq.busy_timeout.as_ref(),
+            defaults::SQLITE_BUSY_TIMEOUT,
+        )?,
+    })
+}
+
+/// `store.postgres`. The URLs are never echoed in an error: they may hold a password.
+fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
+    let (tls_mode, tls_ca) = match &pg.tls {
+        None => (PgTlsMode::Disable, None),
+        Some(tls) => {
+            let mode = match tls.mode.as_str() {
+                "disable" => PgTlsMode::Disable,
+                "require" => PgTlsMode::Require,
+                "verify-full" => PgTlsMode::VerifyFull,
+                other => {
                     return Err(invalid(
-                        format!("{base}.tls.ca"),
-                        "only an https:// upstream uses a CA",
+                        "store.postgres.tls.mode",
+                        format!("'{other}' is not one of disable, require, verify-full"),
                     ));
                 }
-                let ca = std::path::PathBuf::from(ca);
-                crate::tls::roots(Some(&ca)).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
-                Some(ca)
+            };
+            let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
+            if let Some(ca) = &ca {
+                if mode != PgTlsMode::VerifyFull {
+                    return Err(invalid(
+                        "store.postgres.tls.ca",
+                        "only 'verify-full' checks certificates against a CA",
+                    ));
+                }
+                crate::tls::roots(Some(ca)).map_err(|m| invalid("store.postgres.tls.ca", m))?;
+            } else if mode == PgTlsMode::VerifyFull {
+                crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
             }
-        };
-        if https && tls_ca.is_none() {
-            // Without a CA file the platform's roots verify it: there must be some.
-            crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+            (mode, ca)
         }
-        if url.authority().is_none() {
-            return Err(invalid(format!("{base}.url"), "has no host"));
-        }
-        if url.query().is_some() {
-            return Err(invalid(format!("{base}.url"), "must not have a query"));
-        }
-        let timeout = duration_or(
-            &format!("{base}.timeout"),
-            up.timeout.as_ref(),
-            defaults::UPSTREAM_TIMEOUT,
-        )?;
-        // Unset, it is the default or half of `timeout`, whichever is shorter.
-        let connect_timeout = duration_or(
-            &format!("{base}.connect_timeout"),
-            up.connect_timeout.as_ref(),
-            defaults::UPSTREAM_CONNECT_TIMEOUT.min(timeout / 2),
-        )?;
-        // A connect that runs into `timeout` would be reported as a timeout (outcome
-        // unknown) although nothing was sent; so connecting must give up first.
-        if connect_timeout >= timeout {
-            return Err(invalid(
-                format!("{base}.connect_timeout"),
-                format!(
-                    "must be shorter than {base}.timeout ({}), so a failed connect is told \
-                     apart from a request that may have been processed",
-                    fmt_duration(timeout)
-                ),
-            ));
-        }
-        let max_in_flight = up.max_in_flight.unwrap_or(defaults::UPSTREAM_MAX_IN_FLIGHT);
-        if max_in_flight == 0 {
-            return Err(invalid(
-                format!("{base}.max_in_flight"),
-                "must be at least 1",
-            ));
-        }
-        upstreams.insert(
-            name.clone(),
-            UpstreamConfig {
-                name: name.clone(),
-                url,
-                connect_timeout,
-                timeout,
-                max_in_flight,
-                tls_ca,
-                http2: up.http2.unwrap_or(false),
-                preserve_host: up.preserve_host.unwrap_or(false),
-            },
-        );
+    };
+    if pg.url.parse::<tokio_postgres::Config>().is_err() {
+        return Err(invalid(
+            "store.postgres.url",
+            "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+        ));
     }
+    if let Some(listen) = &pg.listen_url
+        && listen.parse::<tokio_postgres::Config>().is_err()
+    {
+        return Err(invalid(
+            "store.postgres.listen_url",
+            "not a valid PostgreSQL connection string (postgres://user:pass@host:port/db)",
+        ));
+    }
+    let pooler = match pg.pooler.as_deref() {
+        None | Some("none") => Pooler::None,
+        Some("transaction") => Pooler::Transaction,
+        Some(other) => {
+            return Err(invalid(
+                "store.postgres.pooler",
+                format!("'{other}' is not one of none, transaction"),
+            ));
+        }
+    };
+    let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
+    if pool_size == 0 {
+        return Err(invalid("store.postgres.pool_size", "must be at least 1"));
+    }
+    Ok(PostgresConfig {
+        listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
+        url: pg.url,
+        pooler,
+        pool_size,
+        acquire_timeout: duration_or(
+            "store.postgres.acquire_timeout",
+            pg.acquire_timeout.as_ref(),
+            defaults::ACQUIRE_TIMEOUT,
+        )?,
+        connect_timeout: duration_or(
+            "store.postgres.connect_timeout",
+            pg.connect_timeout.as_ref(),
+            defaults::PG_CONNECT_TIMEOUT,
+        )?,
+        statement_timeout: duration_or(
+            "store.postgres.statement_timeout",
+            pg.statement_timeout.as_ref(),
+            defaults::STATEMENT_TIMEOUT,
+        )?,
+        tls: tls_mode,
+        tls_ca,
+        allow_async_commit: pg.allow_async_commit.unwrap_or(false),
+    })
+}
 
-    if raw.routes.is_empty() {
+/// `upstreams`, by name.
+fn validate_upstreams(
+    raw: BTreeMap<String, RawUpstream>,
+) -> Result<BTreeMap<String, UpstreamConfig>, ConfigError> {
+    raw.into_iter()
+        .map(|(name, up)| {
+            let upstream = validate_upstream(&name, up)?;
+            Ok((name, upstream))
+        })
+        .collect()
+}
+
+/// `upstreams.<name>`.
+fn validate_upstream(name: &str, up: RawUpstream) -> Result<UpstreamConfig, ConfigError> {
+    let base = format!("upstreams.{name}");
+    let url: http::Uri = up
+        .url
+        .parse()
+        .map_err(|_| invalid(format!("{base}.url"), format!("'{}' is not a URL", up.url)))?;
+    let https = match url.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => {
+            return Err(invalid(
+                format!("{base}.url"),
+                "must start with http:// or https://, e.g. http://127.0.0.1:9000",
+            ));
+        }
+    };
+    let tls_ca = match up.tls.and_then(|t| t.ca) {
+        None => None,
+        Some(ca) => {
+            if !https {
+                return Err(invalid(
+                    format!("{base}.tls.ca"),
+                    "only an https:// upstream uses a CA",
+                ));
+            }
+            let ca = std::path::PathBuf::from(ca);
+            crate::tls::roots(Some(&ca)).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+            Some(ca)
+        }
+    };
+    if https && tls_ca.is_none() {
+        // Without a CA file the platform's roots verify it: there must be some.
+        crate::tls::roots(None).map_err(|m| invalid(format!("{base}.tls.ca"), m))?;
+    }
+    if url.authority().is_none() {
+        return Err(invalid(format!("{base}.url"), "has no host"));
+    }
+    if url.query().is_some() {
+        return Err(invalid(format!("{base}.url"), "must not have a query"));
+    }
+    let timeout = duration_or(
+        &format!("{base}.timeout"),
+        up.timeout.as_ref(),
+        defaults::UPSTREAM_TIMEOUT,
+    )?;
+    // Unset, it is the default or half of `timeout`, whichever is shorter.
+    let connect_timeout = duration_or(
+        &format!("{base}.connect_timeout"),
+        up.connect_timeout.as_ref(),
+        defaults::UPSTREAM_CONNECT_TIMEOUT.min(timeout / 2),
+    )?;
+    // A connect that runs into `timeout` would be reported as a timeout (outcome
+    // unknown) although nothing was sent; so connecting must give up first.
+    if connect_timeout >= timeout {
+        return Err(invalid(
+            format!("{base}.connect_timeout"),
+            format!(
+                "must be shorter than {base}.timeout ({}), so a failed connect is told \
+                 apart from a request that may have been processed",
+                fmt_duration(timeout)
+            ),
+        ));
+    }
+    let max_in_flight = up.max_in_flight.unwrap_or(defaults::UPSTREAM_MAX_IN_FLIGHT);
+    if max_in_flight == 0 {
+        return Err(invalid(
+            format!("{base}.max_in_flight"),
+            "must be at least 1",
+        ));
+    }
+    Ok(UpstreamConfig {
+        name: name.to_string(),
+        url,
+        connect_timeout,
+        timeout,
+        max_in_flight,
+        tls_ca,
+        http2: up.http2.unwrap_or(false),
+        preserve_host: up.preserve_host.unwrap_or(false),
+    })
+}
+
+/// `routes`, in file order: at least one, names unique.
+fn validate_routes(
+    raw: Vec<RawRoute>,
+    upstreams: &BTreeMap<String, UpstreamConfig>,
+    store: &StoreConfig,
+    server: &ServerConfig,
+) -> Result<Vec<Route>, ConfigError> {
+    if raw.is_empty() {
         return Err(invalid("routes", "must list at least one route"));
     }
-    let mut routes: Vec<Route> = Vec::with_capacity(raw.routes.len());
-    for (i, r) in raw.routes.into_iter().enumerate() {
+    let mut routes: Vec<Route> = Vec::with_capacity(raw.len());
+    for (i, r) in raw.into_iter().enumerate() {
         let base = format!("routes[{i}]");
         if r.name.is_empty() {
             return Err(invalid(format!("{base}.name"), "must not be empty"));
@@ -410,98 +402,110 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
                 format!("route name '{}' is used twice", r.name),
             ));
         }
-        let upstream = upstreams.get(&r.upstream).ok_or_else(|| {
-            let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
-            invalid(
-                format!("{base}.upstream"),
-                format!(
-                    "no upstream named '{}' (known: {})",
-                    r.upstream,
-                    known.join(", ")
-                ),
-            )
-        })?;
-        let path = match (r.matcher.path, r.matcher.path_prefix) {
-            (Some(p), None) => PathMatch::Exact(p),
-            (None, Some(p)) => PathMatch::Prefix(p),
-            _ => {
-                return Err(invalid(
-                    format!("{base}.match"),
-                    "give exactly one of 'path' or 'path_prefix'",
-                ));
-            }
-        };
-        let path = {
-            let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
-            if !p.starts_with('/') {
-                return Err(invalid(
-                    format!("{base}.match"),
-                    "paths must start with '/'",
-                ));
-            }
-            // Requests are matched in normal form (SPEC 8.1), so the configured path is too.
-            let normal = crate::path::normalize(p)
-                .map_err(|e| invalid(format!("{base}.match"), e.to_string()))?
-                .into_owned();
-            match path {
-                PathMatch::Exact(_) => PathMatch::Exact(normal),
-                PathMatch::Prefix(_) => {
-                    let trimmed = normal.strip_suffix('/').filter(|s| !s.is_empty());
-                    PathMatch::Prefix(trimmed.map(str::to_string).unwrap_or(normal))
-                }
-            }
-        };
-        let route_methods = match &r.matcher.methods {
-            None => None,
-            Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
-        };
-        let idempotency = match r.idempotency {
-            None => None,
-            Some(idem) => Some(validate_idempotency(
-                &format!("{base}.idempotency"),
-                idem,
-                upstream,
-                store.record_bound(),
-            )?),
-        };
-        if let Some(idem) = &idempotency
-            && idem.max_request_body > server.max_buffered_bytes
-        {
+        routes.push(validate_route(&base, r, upstreams, store, server)?);
+    }
+    Ok(routes)
+}
+
+/// `routes[i]`: its match, its upstream, and its `idempotency`.
+fn validate_route(
+    base: &str,
+    r: RawRoute,
+    upstreams: &BTreeMap<String, UpstreamConfig>,
+    store: &StoreConfig,
+    server: &ServerConfig,
+) -> Result<Route, ConfigError> {
+    let upstream = upstreams.get(&r.upstream).ok_or_else(|| {
+        let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+        invalid(
+            format!("{base}.upstream"),
+            format!(
+                "no upstream named '{}' (known: {})",
+                r.upstream,
+                known.join(", ")
+            ),
+        )
+    })?;
+    let path = match (r.matcher.path, r.matcher.path_prefix) {
+        (Some(p), None) => PathMatch::Exact(p),
+        (None, Some(p)) => PathMatch::Prefix(p),
+        _ => {
             return Err(invalid(
-                format!("{base}.idempotency.max_request_body"),
-                format!(
-                    "must not be larger than server.max_buffered_bytes ({} bytes): such a \
-                     body could never be admitted",
-                    server.max_buffered_bytes
-                ),
+                format!("{base}.match"),
+                "give exactly one of 'path' or 'path_prefix'",
             ));
         }
-        routes.push(Route {
-            name: r.name,
-            path,
-            methods: route_methods,
-            upstream: r.upstream,
-            idempotency,
-        });
+    };
+    let path = {
+        let (PathMatch::Exact(p) | PathMatch::Prefix(p)) = &path;
+        if !p.starts_with('/') {
+            return Err(invalid(
+                format!("{base}.match"),
+                "paths must start with '/'",
+            ));
+        }
+        // Requests are matched in normal form (SPEC 8.1), so the configured path is too.
+        let normal = crate::path::normalize(p)
+            .map_err(|e| invalid(format!("{base}.match"), e.to_string()))?
+            .into_owned();
+        match path {
+            PathMatch::Exact(_) => PathMatch::Exact(normal),
+            PathMatch::Prefix(_) => {
+                let trimmed = normal.strip_suffix('/').filter(|s| !s.is_empty());
+                PathMatch::Prefix(trimmed.map(str::to_string).unwrap_or(normal))
+            }
+        }
+    };
+    let route_methods = match &r.matcher.methods {
+        None => None,
+        Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
+    };
+    let idempotency = match r.idempotency {
+        None => None,
+        Some(idem) => Some(validate_idempotency(
+            &format!("{base}.idempotency"),
+            idem,
+            upstream,
+            store.record_bound(),
+        )?),
+    };
+    if let Some(idem) = &idempotency
+        && idem.max_request_body > server.max_buffered_bytes
+    {
+        return Err(invalid(
+            format!("{base}.idempotency.max_request_body"),
+            format!(
+                "must not be larger than server.max_buffered_bytes ({} bytes): such a \
+                 body could never be admitted",
+                server.max_buffered_bytes
+            ),
+        ));
     }
-
-    Ok(Config {
-        listen,
-        admin,
-        server,
-        store,
-        gc,
-        replay_cache_bytes: size_or(
-            "replay_cache.max_bytes",
-            raw.replay_cache.as_ref().and_then(|c| c.max_bytes.as_ref()),
-            defaults::REPLAY_CACHE_BYTES,
-        )?,
-        log_format: raw.log.and_then(|l| l.format).unwrap_or_default(),
-        upstreams,
-        routes,
+    Ok(Route {
+        name: r.name,
+        path,
+        methods: route_methods,
+        upstream: r.upstream,
+        idempotency,
     })
 }
 
+/// `replay_cache`: bytes of completed responses kept in memory; 0 disables the cache.
+fn validate_replay_cache(raw: Option<&RawReplayCache>) -> Result<usize, ConfigError> {
+    size_or(
+        "replay_cache.max_bytes",
+        raw.and_then(|c| c.max_bytes.as_ref()),
+        defaults::REPLAY_CACHE_BYTES,
+    )
+}
+
+/// `log`: nothing to check beyond what serde did.
+fn validate_log(raw: Option<RawLog>) -> LogFormat {
+    raw.and_then(|l| l.format).unwrap_or_default()
+}
+
+/// `routes[i].idempotency`: key, scope, fingerprint, timing (the lease against its
+/// upstream's timeout and the store's record bound), statuses, sizes and headers.
 fn validate_idempotency(
     base: &str,
     raw: RawIdempotency,
@@ -763,4 +767,77 @@ fn status_range(path: &str, s: RawStatus) -> Result<(u16, u16), ConfigError> {
             Ok((lo, hi))
         }
     }
+}
+
+// Field helpers: one YAML value, its path named in any error.
+
+fn duration_or(path: &str, v: Option<&String>, default: Duration) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => {
+            let d = parse_duration(s).map_err(|m| invalid(path, m))?;
+            if d.is_zero() {
+                return Err(invalid(path, "must be greater than zero"));
+            }
+            Ok(d)
+        }
+    }
+}
+
+/// As [`duration_or`], but zero is allowed (`0s` switches the delay off).
+fn duration_or_zero(
+    path: &str,
+    v: Option<&String>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => parse_duration(s).map_err(|m| invalid(path, m)),
+    }
+}
+
+fn size_or(path: &str, v: Option<&RawSize>, default: usize) -> Result<usize, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(RawSize::Bytes(n)) => usize::try_from(*n).map_err(|_| invalid(path, "too large")),
+        Some(RawSize::Text(s)) => parse_size(s).map_err(|m| invalid(path, m)),
+    }
+}
+
+fn socket_addr(path: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|_| {
+        invalid(
+            path,
+            format!("'{s}' is not an address: write IP:PORT, e.g. 0.0.0.0:8080"),
+        )
+    })
+}
+
+fn methods(path: &str, list: &[String]) -> Result<Vec<Method>, ConfigError> {
+    if list.is_empty() {
+        return Err(invalid(path, "must name at least one method"));
+    }
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let upper = m.to_ascii_uppercase();
+            Method::from_bytes(upper.as_bytes())
+                .map_err(|_| invalid(format!("{path}[{i}]"), format!("'{m}' is not a method")))
+        })
+        .collect()
+}
+
+fn header_name(path: &str, s: &str) -> Result<HeaderName, ConfigError> {
+    HeaderName::from_bytes(s.as_bytes())
+        .map_err(|_| invalid(path, format!("'{s}' is not a valid header name")))
+}
+
+fn json_pointer(path: &str, s: &str) -> Result<String, ConfigError> {
+    if !s.starts_with('/') {
+        return Err(invalid(
+            path,
+            format!("'{s}' is not a JSON pointer: it must start with '/', e.g. /event_id"),
+        ));
+    }
+    Ok(s.to_string())
 }
