@@ -19,7 +19,7 @@
 //! - `validate.rs`: raw to typed, with the defaults applied and every error naming its YAML
 //!   path.
 //! - `units.rs`: durations and sizes, parsed ([`parse_duration`], [`parse_size`]) and
-//!   formatted back the way the config writes them ([`fmt_duration`]).
+//!   formatted back the way the config writes them ([`fmt_duration`], [`fmt_size`]).
 //!
 //! Invariants of a [`Config`]: every route names an existing upstream; every keyed route's
 //! `lease` is longer than that upstream's `timeout` and not longer than its `ttl`; route names
@@ -28,7 +28,9 @@
 //! Invariants of the code: every error names the YAML path of the value it concerns
 //! (`store.postgres.pool_size`, `routes[0].idempotency.lease`), and the tests assert the
 //! exact messages; the database URLs are never printed, neither in an error nor by `Debug`
-//! (see [`PostgresConfig`]).
+//! (see [`PostgresConfig`]); a value is printed as the config spells it (the enums'
+//! `as_str`, [`fmt_duration`], [`fmt_size`]), and every such spelling is one the config
+//! accepts.
 
 mod raw;
 mod units;
@@ -43,7 +45,7 @@ use http::{HeaderName, Method};
 use serde::Deserialize;
 use serde_json::Value;
 
-pub use units::{fmt_duration, parse_duration, parse_size};
+pub use units::{fmt_duration, fmt_size, parse_duration, parse_size};
 
 /// A configuration error: the YAML path it concerns and what is wrong there.
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +75,16 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+impl LogFormat {
+    /// The name the config uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -155,6 +167,24 @@ pub enum PgTlsMode {
     VerifyFull,
 }
 
+impl PgTlsMode {
+    /// Every mode, in the order the config's error message lists them.
+    pub const ALL: [PgTlsMode; 3] = [
+        PgTlsMode::Disable,
+        PgTlsMode::Require,
+        PgTlsMode::VerifyFull,
+    ];
+
+    /// The name the config uses (`store.postgres.tls.mode`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PgTlsMode::Disable => "disable",
+            PgTlsMode::Require => "require",
+            PgTlsMode::VerifyFull => "verify-full",
+        }
+    }
+}
+
 /// What sits between the gateway and PostgreSQL on `url` (`store.postgres.pooler`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooler {
@@ -166,6 +196,19 @@ pub enum Pooler {
     /// and execute in one round trip), no startup options, and the statement bound kept by
     /// the client, which cancels a statement that outlives it.
     Transaction,
+}
+
+impl Pooler {
+    /// Every value, in the order the config's error message lists them.
+    pub const ALL: [Pooler; 2] = [Pooler::None, Pooler::Transaction];
+
+    /// The name the config uses (`store.postgres.pooler`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pooler::None => "none",
+            Pooler::Transaction => "transaction",
+        }
+    }
 }
 
 /// Collection of expired rows: one instance at a time, in small batches.
@@ -367,6 +410,16 @@ pub enum InFlight {
     Reject,
 }
 
+impl InFlight {
+    /// The name the config uses (`in_flight`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InFlight::Wait => "wait",
+            InFlight::Reject => "reject",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnUnknownOutcome {
@@ -374,11 +427,31 @@ pub enum OnUnknownOutcome {
     Hold,
 }
 
+impl OnUnknownOutcome {
+    /// The name the config uses (`on_unknown_outcome`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnUnknownOutcome::Reforward => "reforward",
+            OnUnknownOutcome::Hold => "hold",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnStoreError {
     Reject,
     PassThrough,
+}
+
+impl OnStoreError {
+    /// The name the config uses (`on_store_error`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnStoreError::Reject => "reject",
+            OnStoreError::PassThrough => "pass_through",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -859,6 +932,58 @@ routes:
         assert_eq!(delay(&yaml), Duration::ZERO);
         let yaml = format!("{MINIMAL}server: {{ drain_delay: soon }}\n");
         assert!(err(&yaml).starts_with("server.drain_delay: "));
+    }
+
+    #[test]
+    fn the_names_printed_for_values_are_the_ones_the_config_accepts() {
+        let idem = |field: String| {
+            let yaml = MINIMAL.replace("idempotency: {}", &format!("idempotency: {{ {field} }}"));
+            Config::from_yaml(&yaml).unwrap().routes[0]
+                .idempotency
+                .clone()
+                .unwrap()
+        };
+        for v in [Mode::Enforce, Mode::Observe] {
+            assert_eq!(idem(format!("mode: {}", v.as_str())).mode, v);
+        }
+        for v in [InFlight::Wait, InFlight::Reject] {
+            assert_eq!(idem(format!("in_flight: {}", v.as_str())).in_flight, v);
+        }
+        for v in [OnUnknownOutcome::Reforward, OnUnknownOutcome::Hold] {
+            let field = format!("on_unknown_outcome: {}", v.as_str());
+            assert_eq!(idem(field).on_unknown_outcome, v);
+        }
+        for v in [OnStoreError::Reject, OnStoreError::PassThrough] {
+            assert_eq!(
+                idem(format!("on_store_error: {}", v.as_str())).on_store_error,
+                v
+            );
+        }
+        let pg = |field: String| {
+            let yaml = MINIMAL.replace(
+                "url: \"postgres://u@localhost/db\"",
+                &format!("url: \"postgres://u@localhost/db\", {field}"),
+            );
+            match Config::from_yaml(&yaml).unwrap().store {
+                StoreConfig::Postgres(pg) => pg,
+                StoreConfig::Sqlite(_) => panic!("a postgres store"),
+            }
+        };
+        for v in Pooler::ALL {
+            assert_eq!(pg(format!("pooler: {}", v.as_str())).pooler, v);
+        }
+        // verify-full needs trusted roots on this machine: its spelling is checked by name.
+        for v in PgTlsMode::ALL {
+            if v == PgTlsMode::VerifyFull {
+                assert_eq!(v.as_str(), "verify-full");
+                continue;
+            }
+            assert_eq!(pg(format!("tls: {{ mode: {} }}", v.as_str())).tls, v);
+        }
+        for v in [LogFormat::Text, LogFormat::Json] {
+            let yaml = format!("{MINIMAL}log: {{ format: {} }}\n", v.as_str());
+            assert_eq!(Config::from_yaml(&yaml).unwrap().log_format, v);
+        }
     }
 
     #[test]

@@ -69,6 +69,18 @@ pub fn fmt_duration(d: Duration) -> String {
     }
 }
 
+/// Formats a byte size the way the config writes it: in the largest of `GiB`, `MiB` and
+/// `KiB` that divides it (`1MiB`, `64KiB`), otherwise in bytes (`1000B`, `0B`).
+pub fn fmt_size(bytes: usize) -> String {
+    const UNITS: [(usize, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+    for (unit, name) in UNITS {
+        if bytes >= unit && bytes.is_multiple_of(unit) {
+            return format!("{}{name}", bytes / unit);
+        }
+    }
+    format!("{bytes}B")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -83,5 +95,34 @@ mod tests {
         assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
         assert_eq!(parse_size("100").unwrap(), 100);
         assert!(parse_size("1ZiB").is_err());
+    }
+
+    #[test]
+    fn durations_and_sizes_format_as_the_config_writes_them_and_parse_back() {
+        for (d, text) in [
+            (Duration::from_millis(500), "500ms"),
+            (Duration::from_millis(1500), "1500ms"),
+            (Duration::from_secs(2), "2s"),
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(90), "90s"),
+            (Duration::from_secs(300), "5m"),
+            (Duration::from_secs(86400), "24h"),
+        ] {
+            assert_eq!(fmt_duration(d), text);
+            assert_eq!(parse_duration(text).unwrap(), d, "{text}");
+        }
+        for (n, text) in [
+            (0, "0B"),
+            (100, "100B"),
+            (1000, "1000B"),
+            (8192, "8KiB"),
+            (1 << 20, "1MiB"),
+            (1536 * 1024, "1536KiB"),
+            (256 << 20, "256MiB"),
+            (1 << 30, "1GiB"),
+        ] {
+            assert_eq!(fmt_size(n), text);
+            assert_eq!(parse_size(text).unwrap(), n, "{text}");
+        }
     }
 }

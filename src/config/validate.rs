@@ -205,17 +205,19 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
     let (tls_mode, tls_ca) = match &pg.tls {
         None => (PgTlsMode::Disable, None),
         Some(tls) => {
-            let mode = match tls.mode.as_str() {
-                "disable" => PgTlsMode::Disable,
-                "require" => PgTlsMode::Require,
-                "verify-full" => PgTlsMode::VerifyFull,
-                other => {
-                    return Err(invalid(
+            let mode = PgTlsMode::ALL
+                .into_iter()
+                .find(|m| m.as_str() == tls.mode)
+                .ok_or_else(|| {
+                    invalid(
                         "store.postgres.tls.mode",
-                        format!("'{other}' is not one of disable, require, verify-full"),
-                    ));
-                }
-            };
+                        format!(
+                            "'{}' is not one of {}",
+                            tls.mode,
+                            PgTlsMode::ALL.map(PgTlsMode::as_str).join(", ")
+                        ),
+                    )
+                })?;
             let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
             if let Some(ca) = &ca {
                 if mode != PgTlsMode::VerifyFull {
@@ -246,14 +248,19 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
         ));
     }
     let pooler = match pg.pooler.as_deref() {
-        None | Some("none") => Pooler::None,
-        Some("transaction") => Pooler::Transaction,
-        Some(other) => {
-            return Err(invalid(
-                "store.postgres.pooler",
-                format!("'{other}' is not one of none, transaction"),
-            ));
-        }
+        None => Pooler::None,
+        Some(name) => Pooler::ALL
+            .into_iter()
+            .find(|p| p.as_str() == name)
+            .ok_or_else(|| {
+                invalid(
+                    "store.postgres.pooler",
+                    format!(
+                        "'{name}' is not one of {}",
+                        Pooler::ALL.map(Pooler::as_str).join(", ")
+                    ),
+                )
+            })?,
     };
     let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
     if pool_size == 0 {
