@@ -6,7 +6,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::app::{App, Listeners};
-use crate::config::{Config, ConfigError, PathMatch, ScopeSource, StoreConfig, fmt_duration};
+use crate::config::{
+    Config, ConfigError, PathMatch, ScopeSource, StoreConfig, fmt_duration, fmt_size,
+};
 use crate::store::{Store, StoreError};
 
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +78,9 @@ pub async fn gc(path: &Path) -> Result<crate::store::GcRun, CommandError> {
     Ok(store.gc(config.gc.batch_size).await?)
 }
 
-/// `idemgate check`: validate and print the resolved routes.
+/// `idemgate check`: validate and print the resolved routes. Values are printed as the
+/// config spells them (`in_flight wait`, `500ms`, `1MiB`), so a line can be compared with
+/// the file, or pasted back into it.
 pub fn check(path: &Path) -> Result<String, CommandError> {
     let config = Config::load(path)?;
     for warning in config.warnings() {
@@ -105,11 +109,11 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
     }
     let store = match &config.store {
         StoreConfig::Postgres(pg) => format!(
-            "store  postgres (pool {}, acquire {}, statement {}, tls {:?}{})",
+            "store  postgres (pool {}, acquire {}, statement {}, tls {}{})",
             pg.pool_size,
             fmt_duration(pg.acquire_timeout),
             fmt_duration(pg.statement_timeout),
-            pg.tls,
+            pg.tls.as_str(),
             if pg.allow_async_commit {
                 ", async commit allowed"
             } else {
@@ -125,6 +129,20 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
         fmt_duration(config.server.drain_delay),
         fmt_duration(config.server.shutdown_grace)
     ));
+    out.push_str(&format!(
+        "server limits: max_connections {} max_header_bytes {} max_buffered_bytes {}\n",
+        config.server.max_connections,
+        fmt_size(config.server.max_header_bytes),
+        fmt_size(config.server.max_buffered_bytes)
+    ));
+    if config.replay_cache_bytes == 0 {
+        out.push_str("replay_cache off (max_bytes 0)\n");
+    } else {
+        out.push_str(&format!(
+            "replay_cache max_bytes {}\n",
+            fmt_size(config.replay_cache_bytes)
+        ));
+    }
     for (name, up) in &config.upstreams {
         let mut extra = String::new();
         if up.http2 {
@@ -173,17 +191,19 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
                 };
                 let methods: Vec<&str> = idem.methods.iter().map(|m| m.as_str()).collect();
                 out.push_str(&format!(
-                    "  idempotency: mode {} methods {} key [{}]{} scope {scope}\n  ttl {} lease {} in_flight {:?} wait {} unknown {:?} store_error {:?}\n",
+                    "  idempotency: mode {} methods {} key [{}]{} scope {scope}\n  ttl {} lease {} in_flight {} wait_timeout {} on_unknown_outcome {} on_store_error {}\n  max_request_body {} max_stored_response {}\n",
                     idem.mode.as_str(),
                     methods.join(","),
                     keys.join(", "),
                     if idem.required { " required" } else { "" },
                     fmt_duration(idem.ttl),
                     fmt_duration(idem.lease),
-                    idem.in_flight,
+                    idem.in_flight.as_str(),
                     fmt_duration(idem.wait_timeout),
-                    idem.on_unknown_outcome,
-                    idem.on_store_error,
+                    idem.on_unknown_outcome.as_str(),
+                    idem.on_store_error.as_str(),
+                    fmt_size(idem.max_request_body),
+                    fmt_size(idem.max_stored_response),
                 ));
                 if let Some(ser) = &idem.serialize {
                     out.push_str(&format!(
@@ -373,4 +393,63 @@ async fn get_once(
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_prints_values_as_the_config_spells_them() {
+        let dir = std::env::temp_dir().join(format!("idemgate-check-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("gateway.yaml");
+        std::fs::write(
+            &file,
+            r#"
+store: { postgres: { url: "postgres://u:secret@localhost/db", tls: { mode: require } } }
+replay_cache: { max_bytes: 0 }
+upstreams: { app: { url: "http://127.0.0.1:9000", timeout: 30s } }
+routes:
+  - name: r
+    match: { path_prefix: / }
+    upstream: app
+    idempotency:
+      in_flight: reject
+      wait_timeout: 1500ms
+      on_unknown_outcome: hold
+      on_store_error: pass_through
+      max_request_body: 64KiB
+      serialize: { max_in_flight: 2, wait_timeout: 2s }
+"#,
+        )
+        .unwrap();
+        let out = check(&file);
+        let _ = std::fs::remove_dir_all(&dir);
+        let out = out.unwrap();
+        for spelled in [
+            "store  postgres (pool 16, acquire 500ms, statement 2s, tls require)",
+            "server shutdown: drain_delay 0s then shutdown_grace 30s",
+            "server limits: max_connections 10000 max_header_bytes 64KiB max_buffered_bytes 256MiB",
+            "replay_cache off (max_bytes 0)",
+            "upstream app: http://127.0.0.1:9000/ (connect 1s, timeout 30s)",
+            "in_flight reject wait_timeout 1500ms on_unknown_outcome hold on_store_error pass_through",
+            "max_request_body 64KiB max_stored_response 1MiB",
+            "serialize: 2 in flight per scope, wait 2s",
+        ] {
+            assert!(out.contains(spelled), "'{spelled}' in:\n{out}");
+        }
+        // Rust's Debug forms of the same values, and the secret.
+        for debug in [
+            "Require",
+            "Reject",
+            "Hold",
+            "PassThrough",
+            "Some(",
+            "1.5s",
+            "secret",
+        ] {
+            assert!(!out.contains(debug), "'{debug}' in:\n{out}");
+        }
+    }
 }

@@ -51,29 +51,10 @@ pub fn stream(body: Incoming) -> Body {
     body.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
 }
 
-/// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
-/// Pre-parsed, so stripping them costs no header-name parsing per request. `Trailer` is not
-/// one (it is end-to-end, RFC 9110 section 6.6.2): an HTTP/1.1 client needs it to be sent
-/// the trailers it announces.
-const HOP_BY_HOP: [HeaderName; 8] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-];
-
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
-
-pub fn is_hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(name)
-}
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -89,7 +70,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-    for name in &HOP_BY_HOP {
+    for name in &crate::headers::HOP_BY_HOP {
         headers.remove(name);
     }
 }

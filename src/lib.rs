@@ -2,7 +2,9 @@
 //!
 //! The modules, in the order a request meets them:
 //!
-//! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars).
+//! - [`config`]: YAML → validated [`config::Config`] (durations, sizes, routes, env vars):
+//!   `config/mod.rs` the typed config and loading, `raw.rs` the YAML shapes, `validate.rs`
+//!   one check per section, `units.rs` durations and sizes.
 //! - [`server`]: listener, connection limit, header read timeout, drain and graceful shutdown.
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: connection slots, upstream slots and buffered bytes.
@@ -22,17 +24,23 @@
 //!   the store owns (`store::wakeups`: subscriptions, announcements, shared lookups).
 //! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
 //! - [`forward`]: upstream clients (HTTP/1.1 or h2), header hygiene, timeouts.
+//! - [`headers`]: the hop-by-hop header names (never forwarded, stored or replayed).
 //! - [`tunnel`]: upgrades (WebSocket) on plain routes, spliced until either side closes.
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
 //! - [`admin`]: health, readiness (draining, store trouble) and the key API on `admin.listen`.
 //! - [`keys`]: operator lookups and deletes of stored keys (key API and `idemgate keys`).
-//! - [`lab`]: LAB.md as code: the naive legacy ledger upstream and the lab's checks.
-//! - [`process`]: an `idemgate serve` child process to crash and restart (demo, tests).
-//! - [`demo`]: `idemgate demo`: the lab, straight and through idemgate, side by side.
 //! - [`app`]: the one wiring path (`App::build`, `App::run`) that `serve` and the tests use.
 //! - [`commands`]: what each CLI verb does (`main.rs` only parses arguments).
+//!
+//! Beside the gateway, with the cargo feature `demo` (on by default), `src/demo/`:
+//!
+//! - `demo`: `idemgate demo`: the lab, straight and through idemgate, side by side.
+//! - `demo::lab` (also `idemgate::lab`): LAB.md as code: the naive legacy ledger upstream
+//!   and the lab's checks.
+//! - `demo::process` (also `idemgate::process`): an `idemgate serve` child process to crash
+//!   and restart (demo, tests, benchmarks).
 
 #![forbid(unsafe_code)]
 
@@ -43,19 +51,19 @@ pub mod body;
 pub mod cache;
 pub mod commands;
 pub mod config;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
+pub mod headers;
 pub mod key;
 pub mod keys;
-pub mod lab;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod path;
 pub mod problem;
-pub mod process;
 pub mod record;
 pub mod replay;
 pub mod routing;
@@ -65,3 +73,6 @@ pub mod store;
 pub mod tls;
 pub mod tunnel;
 pub mod wait;
+
+#[cfg(feature = "demo")]
+pub use demo::{lab, process};

@@ -36,6 +36,7 @@ enum Command {
         config: PathBuf,
     },
     /// Zero-setup run of the lab (LAB.md): a naive ledger, straight and through idemgate.
+    #[cfg(feature = "demo")]
     Demo {
         /// Run on PostgreSQL (postgres://...) instead of the embedded store.
         #[arg(long)]
@@ -45,6 +46,7 @@ enum Command {
         keep_running: bool,
     },
     /// Serve the lab's naive legacy ledger alone (the demo's upstream; for docker-compose).
+    #[cfg(feature = "demo")]
     LabLedger {
         #[arg(long, default_value = "127.0.0.1:9000")]
         listen: std::net::SocketAddr,
@@ -150,6 +152,7 @@ fn main() -> ExitCode {
                 println!("applied {n} migration(s)");
                 Ok(())
             }
+            #[cfg(feature = "demo")]
             Command::Demo {
                 store,
                 keep_running,
@@ -168,6 +171,7 @@ fn main() -> ExitCode {
                     ))
                 }
             }
+            #[cfg(feature = "demo")]
             Command::LabLedger { listen } => {
                 let ledger = idemgate::lab::Ledger::new(std::time::Duration::from_millis(10));
                 let listener = tokio::net::TcpListener::bind(listen).await?;

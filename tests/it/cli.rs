@@ -40,6 +40,20 @@ fn check_accepts_the_example_and_prints_its_routes() {
         stdout.contains("server shutdown: drain_delay 0s then shutdown_grace 30s"),
         "{stdout}"
     );
+    // Values as the YAML spells them, never as Rust's Debug prints them (`Wait`, `Some(..)`).
+    for spelled in [
+        "store  postgres (pool 16, acquire 500ms, statement 2s, tls disable)",
+        "max_header_bytes 64KiB max_buffered_bytes 256MiB",
+        "replay_cache max_bytes 64MiB",
+        "  ttl 24h lease 45s in_flight wait wait_timeout 10s on_unknown_outcome reforward \
+         on_store_error reject",
+        "  max_request_body 1MiB max_stored_response 1MiB",
+    ] {
+        assert!(stdout.contains(spelled), "'{spelled}' in:\n{stdout}");
+    }
+    for debug in ["Disable", "Wait", "Reforward", "Reject", "Some("] {
+        assert!(!stdout.contains(debug), "'{debug}' in:\n{stdout}");
+    }
     assert!(
         !stdout.contains("postgres://"),
         "the database URL (a secret) is not printed"

@@ -1,12 +1,21 @@
 //! `idemgate demo`: LAB.md on this machine, in one command, with nothing to set up.
 //!
-//! It starts two copies of the naive legacy ledger (`lab.rs`) on ephemeral ports, a real
+//! It starts two copies of the naive legacy ledger ([`lab`]) on ephemeral ports, a real
 //! gateway process (this same binary, `serve`) in front of one of them on the embedded store
 //! in a temporary directory (or on `--store postgres://...`), runs the lab's checks straight
 //! at one ledger and through idemgate at the other, and prints them side by side. The gateway
 //! is a child process so that the crash check is a real SIGKILL. "Store unreachable" is shown
 //! by a second gateway whose store does not answer (a Postgres address where nothing
 //! listens). The exit status is 0 only if every check passes through the gateway.
+//!
+//! This module and its two submodules, [`lab`] (the ledger and the lab's checks) and
+//! [`process`] (a gateway child process), exist with the cargo feature `demo`, on by
+//! default: the `demo` and `lab-ledger` commands use them, and so do the integration tests
+//! and the load benchmark. The gateway itself never does. The crate root re-exports them as
+//! `idemgate::lab` and `idemgate::process`.
+
+pub mod lab;
+pub mod process;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -15,8 +24,8 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use crate::lab::{self, CheckResult, Harness, Ledger};
-use crate::process::{GatewayProcess, free_port};
+use self::lab::{CheckResult, Harness, Ledger};
+use self::process::{GatewayProcess, free_port};
 use crate::store::BoxFuture;
 
 /// What `idemgate demo` was asked.

@@ -1,0 +1,27 @@
+//! Header names with a fixed meaning to a proxy, shared by the upstream client (which strips
+//! them) and the configuration (which refuses to replay them). A leaf: it imports nothing of
+//! the crate.
+
+use http::HeaderName;
+use http::header;
+
+/// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
+/// Pre-parsed, so stripping them costs no header-name parsing per request. `Trailer` is not
+/// one (it is end-to-end, RFC 9110 section 6.6.2): an HTTP/1.1 client needs it to be sent
+/// the trailers it announces.
+pub const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Whether `name` is hop-by-hop: meaningful for one connection only, never forwarded, stored
+/// or replayed.
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(name)
+}
