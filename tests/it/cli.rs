@@ -21,11 +21,11 @@ fn check_accepts_the_example_and_prints_its_routes() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout} {}",
-        String::from_utf8_lossy(&out.stderr)
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout} {stderr}");
+    assert!(
+        !stderr.contains("warning"),
+        "the example draws no warning: {stderr}"
     );
     assert!(
         stdout
@@ -37,7 +37,7 @@ fn check_accepts_the_example_and_prints_its_routes() {
         "{stdout}"
     );
     assert!(
-        stdout.contains("server shutdown: drain_delay 0s then shutdown_grace 30s"),
+        stdout.contains("server shutdown: drain_delay 0s then shutdown_grace 35s"),
         "{stdout}"
     );
     // Values as the YAML spells them, never as Rust's Debug prints them (`Wait`, `Some(..)`).

@@ -105,6 +105,8 @@ fn the_kubernetes_manifests_agree_with_the_config_they_mount() {
     let service = yaml("kubernetes/service.yaml");
     assert_eq!(service["spec"]["ports"][0]["targetPort"], "http");
 
+    // The shipped config draws no warning (a shutdown_grace shorter than a forward would).
+    assert_eq!(config.warnings(), Vec::<String>::new());
     // Everything that runs between the pod's removal and SIGKILL fits in the grace period:
     // a preStop sleep if there is one, then drain_delay, then shutdown_grace.
     let grace = seconds(&pod["terminationGracePeriodSeconds"]);
