@@ -47,33 +47,8 @@ export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
 PM=$(head -1 "$WORK/pg/data/postmaster.pid")
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
-# CPU ticks of the cluster: the postmaster with its reaped children, and its live children.
-# A backend that exited but is not reaped yet is in neither, so callers wait for pgbench's
-# backends to be reaped first; and if the postmaster reaps one while we read, read again.
-ticks() {
-  local line own cut cut2 kids c try
-  for try in $(seq 20); do
-    read -r line <"/proc/$PM/stat"
-    line=${line##*) }
-    set -- $line
-    own=$((${12} + ${13}))
-    cut=$((${14} + ${15}))
-    kids=0
-    for c in $(ps -o pid= --ppid "$PM"); do
-      read -r line 2>/dev/null <"/proc/$c/stat" || continue
-      line=${line##*) }
-      set -- $line
-      kids=$((kids + ${12} + ${13}))
-    done
-    read -r line <"/proc/$PM/stat"
-    line=${line##*) }
-    set -- $line
-    cut2=$((${14} + ${15}))
-    [[ $cut == "$cut2" ]] && break
-    sleep 0.05
-  done
-  echo $((own + cut + kids))
-}
+# The cluster's CPU ticks (ticks): benches/cluster_cpu.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/cluster_cpu.sh"
 
 # Waits until no backend of database $1 is left (pgbench's have exited and been reaped).
 settle() {

@@ -197,18 +197,7 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: B
     wait_until(
         "the blocked claim is stopped on the server",
         Duration::from_secs(3),
-        || async {
-            watcher
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity
-                      WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                    &[],
-                )
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-                == 0
-        },
+        || async { lock_waiters(&watcher).await == 0 },
     )
     .await;
 }

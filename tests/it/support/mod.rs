@@ -643,23 +643,25 @@ pub async fn wakeups_flow(gw: &TestGateway) {
     .await;
 }
 
+/// How many sessions of the current database wait for a lock now.
+pub async fn lock_waiters(db: &tokio_postgres::Client) -> i64 {
+    db.query_one(
+        "SELECT count(*) FROM pg_stat_activity
+          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        &[],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
 /// Waits until one session of the current database waits for a lock (a claim blocked
 /// behind an uncommitted transaction).
 pub async fn wait_for_a_lock_waiter(db: &tokio_postgres::Client) {
     wait_until(
         "a statement waits for a row lock",
         Duration::from_secs(10),
-        || async {
-            db.query_one(
-                "SELECT count(*) FROM pg_stat_activity
-              WHERE datname = current_database() AND wait_event_type = 'Lock'",
-                &[],
-            )
-            .await
-            .unwrap()
-            .get::<_, i64>(0)
-                == 1
-        },
+        || async { lock_waiters(db).await == 1 },
     )
     .await;
 }
