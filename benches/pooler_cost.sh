@@ -5,27 +5,27 @@
 #
 # pgbench drives the current revision's claim of a new key (CLAIM_NEW_SQL) and its completion
 # (FINISH_SQL), taken from src/store/postgres.rs, on the table its migrations build, two
-# autocommit statements per key like the gateway, in five ways:
+# autocommit statements per key like the gateway, in six ways:
 #
-#   prepared         -M prepared, straight to PostgreSQL: the gateway with `pooler: none`
-#                    (named statements, parsed and planned once per connection)
-#   unnamed          -M extended, straight to PostgreSQL: the gateway's statements with
-#                    `pooler: transaction` (parse, bind, execute in one round trip, every time)
-#   unnamed+bouncer  -M extended through PgBouncer in transaction mode: the gateway behind
-#                    PgBouncer (its own CPU is counted apart)
-#   set_local        -M extended, each statement inside BEGIN; SET LOCAL statement_timeout;
-#                    ...; COMMIT: the other way to bound a statement without startup options,
-#                    not taken (pgbench cannot pipeline a script that reads a result, so here
-#                    it is four round trips per statement where the gateway would pipeline one;
-#                    the extra round trips are in its number)
-#   plpgsql          -M extended, each statement called through a PL/pgSQL function that holds
-#                    it verbatim (PL/pgSQL caches a plan per session, which a transaction pooler
-#                    keeps): a way to unnamed statements at less than their parse and plan
-#                    cost, not taken (it would move the SQL into migrations)
+#   prepared           -M prepared, straight to PostgreSQL: the gateway with `pooler: none`
+#                      (named statements, parsed and planned once per connection)
+#   unnamed            -M extended, straight to PostgreSQL: the same statements unnamed (parse,
+#                      bind, execute in one round trip, every time), the other way to run them
+#                      behind a transaction pooler, not taken
+#   unnamed+bouncer    the same through PgBouncer in transaction mode (its CPU counted apart)
+#   set_local          -M extended, each statement inside BEGIN; SET LOCAL statement_timeout;
+#                      ...; COMMIT: the other way to bound a statement without startup options,
+#                      not taken (pgbench cannot pipeline a script that reads a result, so here
+#                      it is four round trips per statement where the gateway would pipeline one;
+#                      the extra round trips are in its number)
+#   functions          -M extended, the statements called through the PL/pgSQL functions of
+#                      migrations/0006 that hold them verbatim (PL/pgSQL caches a plan per
+#                      session, which a transaction pooler keeps), straight to PostgreSQL
+#   functions+bouncer  the same through PgBouncer: the gateway with `pooler: transaction`
 #
 # It starts its own throwaway cluster with stock durability (fsync and synchronous_commit on)
 # and a PgBouncer (pool_mode = transaction, ignore_startup_parameters = extra_float_digits,
-# default_pool_size = CLIENTS) in front of it, runs the five interleaved for ROUNDS rounds and
+# default_pool_size = CLIENTS) in front of it, runs the six interleaved for ROUNDS rounds and
 # prints, per run: keys/s; CPU of the whole cluster per key (postmaster, backends, background
 # processes; /proc); PgBouncer's CPU per key; WAL bytes per key (pg_current_wal_lsn, a
 # CHECKPOINT before each run, so it includes the full-page images a checkpoint brings); and
@@ -144,22 +144,13 @@ script() { # before after
 script "" "" >"$WORK/plain.sql"
 script 'BEGIN;\nSET LOCAL statement_timeout = 2000;\n' 'COMMIT;\n' >"$WORK/set_local.sql"
 
-# The two statements as PL/pgSQL functions, verbatim ($N is the function's Nth argument).
-cat >"$WORK/wrappers.sql" <<SQL
-CREATE FUNCTION bench_claim_new(text, text, text, bytea, bigint, bigint) RETURNS text
-LANGUAGE plpgsql AS \$f\$ DECLARE t text; BEGIN
-$(sql_const CLAIM_NEW_SQL) INTO t;
-RETURN t; END \$f\$;
-CREATE FUNCTION bench_finish(text, text, text, text, integer, bytea, bytea, bigint, text)
-RETURNS boolean LANGUAGE plpgsql AS \$f\$ DECLARE a text; BEGIN
-$(sql_const FINISH_SQL) INTO a;
-RETURN FOUND; END \$f\$;
-SQL
+# The two statements through the functions of migrations/0006_pooler_functions.sql (which
+# hold them verbatim): what the gateway sends with `pooler: transaction`.
 cat >"$WORK/plpgsql.sql" <<'SQL'
 \set c1 random(0, 99)
 \set c2 random(1, 9000000000000000000)
-SELECT bench_claim_new(:c1, :c2, :c3, :c4, :c5, :c6) AS lease_token \gset g_
-SELECT bench_finish(:c1, :c2, :g_lease_token, :f4, :f5, :f6, :f7, :f8, :f9);
+SELECT idemgate_claim_new(:c1, :c2, :c3, :c4, :c5, :c6) AS lease_token \gset g_
+SELECT idemgate_finish(:c1, :c2, :g_lease_token, :f4, :f5, :f6, :f7, :f8, :f9);
 SQL
 
 schema() { # db
@@ -191,11 +182,11 @@ run() { # which round
     unnamed) mode=extended file=plain port=$PORT ;;
     unnamed+bouncer) mode=extended file=plain port=$BPORT ;;
     set_local) mode=extended file=set_local port=$PORT ;;
-    plpgsql) mode=extended file=plpgsql port=$PORT ;;
+    functions) mode=extended file=plpgsql port=$PORT ;;
+    functions+bouncer) mode=extended file=plpgsql port=$BPORT ;;
   esac
   psql_q -c "CREATE DATABASE $db" postgres
   schema "$db"
-  [[ $which == plpgsql ]] && psql_q "$db" <"$WORK/wrappers.sql"
   "${PGB[@]}" -M $mode -p "$port" -D 'f7={"ok":true}' -T 2 -f "$WORK/$file.sql" "$db" \
     >"$WORK/$db.warm.log" 2>&1 || { echo "pgbench failed:"; tail -3 "$WORK/$db.warm.log"; exit 1; }
   bouncer_release "$port" "$db"
@@ -248,7 +239,7 @@ echo
 echo "| round | statements | keys/s | PostgreSQL CPU µs/key | PgBouncer CPU µs/key | WAL bytes/key | transactions/key |"
 echo "|---:|---|---:|---:|---:|---:|---:|"
 for round in $(seq "$ROUNDS"); do
-  for which in prepared unnamed unnamed+bouncer set_local plpgsql; do
+  for which in prepared unnamed unnamed+bouncer set_local functions functions+bouncer; do
     run "$which" "$round"
   done
 done

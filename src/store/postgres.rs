@@ -93,6 +93,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "lean_writes",
         include_str!("../../migrations/0005_lean_writes.sql"),
     ),
+    (
+        6,
+        "pooler_functions",
+        include_str!("../../migrations/0006_pooler_functions.sql"),
+    ),
 ];
 
 /// The advisory lock key that serializes migrations (and nothing else).
@@ -120,6 +125,11 @@ pub const CLAIM_NEW_TYPES: &[Type] = &[
     Type::INT8,
     Type::INT8,
 ];
+
+/// [`CLAIM_NEW_SQL`] as a function call (migrations/0006_pooler_functions.sql), for a pooler
+/// in transaction mode: the function's plan is cached per server session, which the pooler
+/// keeps, where the statement itself would be parsed and planned on every call.
+const CLAIM_NEW_CALL: &str = "SELECT idemgate_claim_new($1, $2, $3, $4, $5, $6)";
 
 /// The claim when the key exists: takes it over when claimable, or reads what is there.
 const CLAIM_SQL: &str = "
@@ -215,6 +225,10 @@ pub const FINISH_TYPES: &[Type] = &[
     Type::INT8,
     Type::TEXT,
 ];
+
+/// [`FINISH_SQL`] as a function call (migrations/0006), for a pooler in transaction mode;
+/// one row back, `true` when the row was written.
+const FINISH_CALL: &str = "SELECT idemgate_finish($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// The release of a claimed attempt (a retry forwards again), announced like a completion.
 const RELEASE_SQL: &str = "
@@ -745,15 +759,22 @@ impl PgStore {
         let found = self
             .with_conn("claim", async |c| {
                 if try_new {
-                    let new = c
-                        .query_opt(
-                            CLAIM_NEW_SQL,
-                            CLAIM_NEW_TYPES,
-                            &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms],
-                        )
-                        .await?;
-                    if let Some(row) = new {
-                        return Ok(Found::New(LeaseToken(row.get(0))));
+                    let params: &[&(dyn ToSql + Sync)] =
+                        &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms];
+                    let token: Option<String> = match c.pooler {
+                        Pooler::None => c
+                            .query_opt(CLAIM_NEW_SQL, CLAIM_NEW_TYPES, params)
+                            .await?
+                            .map(|row| row.get(0)),
+                        // The same statement in a function whose plan the server session
+                        // keeps (migrations/0006): NULL when the key exists.
+                        Pooler::Transaction => c
+                            .query_opt(CLAIM_NEW_CALL, CLAIM_NEW_TYPES, params)
+                            .await?
+                            .and_then(|row| row.get(0)),
+                    };
+                    if let Some(token) = token {
+                        return Ok(Found::New(LeaseToken(token)));
                     }
                 }
                 c.query_opt(
@@ -840,9 +861,10 @@ impl Store for PgStore {
                 .with_conn("finish", async |c| {
                     let token = token.0.as_str();
                     if let Outcome::Release = &outcome {
-                        return c
+                        return Ok(c
                             .query_opt(RELEASE_SQL, RELEASE_TYPES, &[&scope, &key, &token, &id])
-                            .await;
+                            .await?
+                            .is_some());
                     }
                     let FinishRow {
                         state,
@@ -850,17 +872,24 @@ impl Store for PgStore {
                         headers,
                         body,
                     } = FinishRow::of(&outcome);
-                    c.query_opt(
-                        FINISH_SQL,
-                        FINISH_TYPES,
-                        &[
-                            &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
-                        ],
-                    )
-                    .await
+                    let params: &[&(dyn ToSql + Sync)] = &[
+                        &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
+                    ];
+                    match c.pooler {
+                        Pooler::None => Ok(c
+                            .query_opt(FINISH_SQL, FINISH_TYPES, params)
+                            .await?
+                            .is_some()),
+                        // The same statement in a function (migrations/0006): whether it
+                        // wrote the row.
+                        Pooler::Transaction => Ok(c
+                            .query_opt(FINISH_CALL, FINISH_TYPES, params)
+                            .await?
+                            .is_some_and(|row| row.get::<_, bool>(0))),
+                    }
                 })
                 .await?;
-            Ok(written.is_some())
+            Ok(written)
         })
     }
 
@@ -1085,5 +1114,34 @@ impl Store for PgStore {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The functions a pooled gateway calls hold the statements a direct one prepares,
+    /// verbatim: both write the same rows.
+    #[test]
+    fn the_pooler_functions_hold_the_statements_verbatim() {
+        let (_, name, sql) = MIGRATIONS
+            .iter()
+            .find(|m| m.1 == "pooler_functions")
+            .expect("the migration exists");
+        for (statement, function) in [
+            (CLAIM_NEW_SQL, "idemgate_claim_new"),
+            (FINISH_SQL, "idemgate_finish"),
+        ] {
+            let start = sql
+                .find(&format!("FUNCTION {function}("))
+                .unwrap_or_else(|| panic!("{name} defines {function}"));
+            let body = &sql[start..];
+            let body = &body[..body.find("END\n$fn$").expect("the function ends")];
+            assert!(
+                body.contains(statement.trim()),
+                "{function} in migration {name} is not {statement}"
+            );
+        }
     }
 }

@@ -20,6 +20,7 @@ mod instances;
 mod lab;
 mod operations;
 mod operator_tools;
+mod pooler;
 mod replay_cache;
 mod rollout;
 mod row_invariants;
