@@ -360,3 +360,68 @@ async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_an
     assert_eq!(up.executions(), 1);
     assert!(post(&client(), &gw, "a", "k", "x").await.replayed());
 }
+
+/// A route's own `replay_headers` list: what it names is stored and replayed byte for byte
+/// (every field line, in order, `set-cookie` too since the route names it); what it does not
+/// name is not replayed, though the upstream sends it, the defaults included (`etag`): the
+/// list replaces them.
+#[tokio::test]
+async fn a_routes_replay_headers_are_replayed_byte_identical_and_nothing_else() {
+    use http::HeaderValue;
+    let traces = [
+        HeaderValue::from_bytes(b"t=1;  q=\"a  b\" , x").unwrap(),
+        HeaderValue::from_bytes(b"caf\xe9 \x80\xff").unwrap(),
+    ];
+    let mut extra = http::HeaderMap::new();
+    for t in &traces {
+        extra.append("x-trace", t.clone());
+    }
+    let up = Upstream::start_with(Behavior {
+        headers: extra,
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "replay_headers: [Content-Type, X-Trace, Set-Cookie]")
+        .await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(first.status, 201);
+    let all = |r: &Reply, name: &str| -> Vec<Vec<u8>> {
+        r.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.as_bytes().to_vec())
+            .collect()
+    };
+    let sent: Vec<Vec<u8>> = traces.iter().map(|t| t.as_bytes().to_vec()).collect();
+    assert_eq!(
+        all(&first, "x-trace"),
+        sent,
+        "the first answer carries them as sent"
+    );
+    for unlisted in ["etag", "x-upstream"] {
+        assert!(
+            first.headers.contains_key(unlisted),
+            "the upstream sends {unlisted}"
+        );
+    }
+
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert!(retry.replayed());
+    assert_eq!(up.executions(), 1);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(
+        all(&retry, "x-trace"),
+        sent,
+        "both field lines, byte for byte, in order"
+    );
+    assert_eq!(all(&retry, "set-cookie"), [b"session=secret".to_vec()]);
+    assert_eq!(retry.headers["content-type"], "application/json");
+    for unlisted in ["etag", "x-upstream"] {
+        assert!(
+            !retry.headers.contains_key(unlisted),
+            "{unlisted} is not in the route's list: {:?}",
+            retry.headers
+        );
+    }
+}
