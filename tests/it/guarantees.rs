@@ -153,12 +153,10 @@ async fn a_waiter_forwards_itself_once_the_first_attempt_released_its_key() {
 async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
     let up = Upstream::start().await;
     let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "ttl: 3s\n      lease: 3s", |y| {
-        let short = y.patch(
+        y.patch(
             "connect_timeout: 200ms, timeout: 5s",
             "connect_timeout: 200ms, timeout: 1s",
-        );
-        assert_ne!(short, y, "the upstream timeout was shortened");
-        short
+        )
     })
     .await;
     let c = client();

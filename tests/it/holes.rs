@@ -356,7 +356,6 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
         "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
         "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
     );
-    assert!(yaml.contains("max_buffered_bytes"), "the patch applied");
     let gw = TestGateway::start(&yaml, &db).await;
     let body = "x".repeat(300 * 1024);
     let url = gw.url("/webhooks/payments");

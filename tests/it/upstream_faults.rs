@@ -224,7 +224,6 @@ fn a_connect_timeout_not_shorter_than_the_timeout_is_a_config_error() {
         "connect_timeout: 200ms, timeout: 5s",
         "connect_timeout: 5s, timeout: 5s",
     );
-    assert!(yaml.contains("connect_timeout: 5s"), "the patch applied");
     let err = idemgate::config::Config::from_yaml(&yaml)
         .unwrap_err()
         .to_string();
@@ -238,7 +237,6 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
     let file = dir.join("short-grace.yaml");
     let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "")
         .patch("shutdown_grace: 5s", "shutdown_grace: 2s");
-    assert!(yaml.contains("shutdown_grace: 2s"), "the patch applied");
     std::fs::write(&file, yaml).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .args(["check", "--config"])
