@@ -126,3 +126,115 @@ async fn the_demo_passes_every_check_on_postgres_too() {
         "8 through idemgate, 1 straight:\n{stdout}"
     );
 }
+
+/// Runs `idemgate <args>` with `--config` set to `yaml` written to a file, until it exits
+/// (failing the test after `limit`): its exit code, stdout and stderr.
+async fn run_with_config(
+    args: &[&str],
+    yaml: &str,
+    limit: std::time::Duration,
+) -> (Option<i32>, String, String) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "idemgate-cli-run-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("gateway.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let (out, err) = (dir.join("out.log"), dir.join("err.log"));
+    let mut child = idemgate()
+        .args(args)
+        .arg("--config")
+        .arg(&config)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .expect("starting idemgate");
+    let deadline = tokio::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("idemgate {args:?} still running after {limit:?}");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    let (stdout, stderr) = (
+        std::fs::read_to_string(&out).unwrap(),
+        std::fs::read_to_string(&err).unwrap(),
+    );
+    std::fs::remove_dir_all(&dir).ok();
+    (status.code(), stdout, stderr)
+}
+
+/// `idemgate migrate` on a fresh database applies every migration and exits 0; run again,
+/// it applies none and still exits 0; with the database unreachable it exits 1 saying so,
+/// within its connect bound.
+#[tokio::test]
+async fn migrate_applies_the_migrations_once_and_fails_cleanly_without_a_database() {
+    use idemgate::store::postgres::MIGRATIONS;
+    use std::time::Duration;
+
+    let db = crate::support::pg::fresh_database().await;
+    let yaml = crate::support::config_yaml(&db, "http://127.0.0.1:9", "");
+    let conn = crate::support::sql(&db).await;
+    let keys_table = async || -> bool {
+        conn.query_one("SELECT to_regclass('idemgate_keys') IS NOT NULL", &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    assert!(!keys_table().await, "the database starts empty");
+
+    let (code, stdout, stderr) =
+        run_with_config(&["migrate"], &yaml, Duration::from_secs(30)).await;
+    assert_eq!(code, Some(0), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains(&format!("applied {} migration(s)", MIGRATIONS.len())),
+        "{stdout}"
+    );
+    let versions = async || -> Vec<i32> {
+        conn.query(
+            "SELECT version FROM idemgate_migrations ORDER BY version",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+    };
+    let expected: Vec<i32> = MIGRATIONS.iter().map(|m| m.0).collect();
+    assert_eq!(versions().await, expected);
+    assert!(keys_table().await, "idemgate_keys exists");
+
+    let (code, stdout, stderr) =
+        run_with_config(&["migrate"], &yaml, Duration::from_secs(30)).await;
+    assert_eq!(code, Some(0), "a second run succeeds: {stdout}\n{stderr}");
+    assert!(stdout.contains("applied 0 migration(s)"), "{stdout}");
+    assert_eq!(versions().await, expected, "and changes nothing");
+
+    // The store refuses connections: an error naming the failure, exit 1, no hang (the
+    // store's connect_timeout is 1s, acquire_timeout 500ms; 20 s is a hang check).
+    let (_refusing, port) = crate::support::refused_port();
+    let down = crate::support::config_yaml(
+        &format!("postgres://postgres@127.0.0.1:{port}/none"),
+        "http://127.0.0.1:9",
+        "",
+    );
+    let (code, stdout, stderr) =
+        run_with_config(&["migrate"], &down, Duration::from_secs(20)).await;
+    assert_eq!(code, Some(1), "{stdout}\n{stderr}");
+    assert!(
+        stderr.starts_with("idemgate: ") && stderr.contains("cannot connect to the database"),
+        "a message: {stderr}"
+    );
+    assert!(!stdout.contains("applied"), "{stdout}");
+}

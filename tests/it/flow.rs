@@ -56,7 +56,16 @@ async fn routes_and_methods_without_idempotency_are_plain_proxied() {
 
 #[tokio::test]
 async fn forwarded_requests_are_clean_and_carry_the_key() {
-    let up = Upstream::start().await;
+    // The upstream's answer has hop-by-hop headers of its own, one named in its Connection.
+    let mut hop = http::HeaderMap::new();
+    hop.insert("connection", "x-up-hop".parse().unwrap());
+    hop.insert("x-up-hop", "secret".parse().unwrap());
+    hop.insert("keep-alive", "timeout=5".parse().unwrap());
+    let up = Upstream::start_with(Behavior {
+        headers: hop,
+        ..Default::default()
+    })
+    .await;
     let gw = TestGateway::with_upstream(&up, "forward_key_header: X-Request-Key").await;
     let c = client();
     let r = send(
@@ -77,7 +86,13 @@ async fn forwarded_requests_are_clean_and_carry_the_key() {
     )
     .await;
     assert_eq!(r.status, 201);
-    assert!(!r.headers.contains_key("connection") || r.headers["connection"] != "x-secret");
+    for hop in ["connection", "x-up-hop", "keep-alive"] {
+        assert!(
+            !r.headers.contains_key(hop),
+            "the upstream's {hop} is not passed on: {:?}",
+            r.headers
+        );
+    }
     let seen = &up.seen()[0];
     assert_eq!(
         seen.headers["x-request-key"], "quoted-key",
@@ -359,4 +374,139 @@ async fn a_client_that_hangs_up_during_its_claim_still_gets_the_key_forwarded_an
     .await;
     assert_eq!(up.executions(), 1);
     assert!(post(&client(), &gw, "a", "k", "x").await.replayed());
+}
+
+/// A route's own `replay_headers` list: what it names is stored and replayed byte for byte
+/// (every field line, in order, `set-cookie` too since the route names it); what it does not
+/// name is not replayed, though the upstream sends it, the defaults included (`etag`): the
+/// list replaces them.
+#[tokio::test]
+async fn a_routes_replay_headers_are_replayed_byte_identical_and_nothing_else() {
+    use http::HeaderValue;
+    let traces = [
+        HeaderValue::from_bytes(b"t=1;  q=\"a  b\" , x").unwrap(),
+        HeaderValue::from_bytes(b"caf\xe9 \x80\xff").unwrap(),
+    ];
+    let mut extra = http::HeaderMap::new();
+    for t in &traces {
+        extra.append("x-trace", t.clone());
+    }
+    let up = Upstream::start_with(Behavior {
+        headers: extra,
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(&up, "replay_headers: [Content-Type, X-Trace, Set-Cookie]")
+        .await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(first.status, 201);
+    let all = |r: &Reply, name: &str| -> Vec<Vec<u8>> {
+        r.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.as_bytes().to_vec())
+            .collect()
+    };
+    let sent: Vec<Vec<u8>> = traces.iter().map(|t| t.as_bytes().to_vec()).collect();
+    assert_eq!(
+        all(&first, "x-trace"),
+        sent,
+        "the first answer carries them as sent"
+    );
+    for unlisted in ["etag", "x-upstream"] {
+        assert!(
+            first.headers.contains_key(unlisted),
+            "the upstream sends {unlisted}"
+        );
+    }
+
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert!(retry.replayed());
+    assert_eq!(up.executions(), 1);
+    assert_eq!(retry.body, first.body);
+    assert_eq!(
+        all(&retry, "x-trace"),
+        sent,
+        "both field lines, byte for byte, in order"
+    );
+    assert_eq!(all(&retry, "set-cookie"), [b"session=secret".to_vec()]);
+    assert_eq!(retry.headers["content-type"], "application/json");
+    for unlisted in ["etag", "x-upstream"] {
+        assert!(
+            !retry.headers.contains_key(unlisted),
+            "{unlisted} is not in the route's list: {:?}",
+            retry.headers
+        );
+    }
+}
+
+/// `n` bytes of a fixed pseudo-random sequence: every byte value, no repeating pattern a
+/// dropped or reordered chunk could hide in.
+fn noise(n: usize, seed: u64) -> bytes::Bytes {
+    let mut x = seed | 1;
+    (0..n)
+        .map(|_| {
+            // xorshift64
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 56) as u8
+        })
+        .collect::<Vec<u8>>()
+        .into()
+}
+
+/// Large bodies arrive intact both ways when the route's bounds allow them: a 3 MiB keyed
+/// request reaches the upstream byte for byte, and its 2 MiB answer is stored and replayed
+/// byte for byte.
+#[tokio::test]
+async fn large_bodies_reach_the_upstream_and_are_replayed_byte_identical() {
+    let request = noise(3 * 1024 * 1024, 0x1dea);
+    let answer = noise(2 * 1024 * 1024, 0x9a7e);
+    assert_ne!(request[..answer.len()], answer[..], "two different bodies");
+    let up = Upstream::start_with(Behavior {
+        body: Some(answer.clone()),
+        ..Default::default()
+    })
+    .await;
+    let gw = TestGateway::with_upstream(
+        &up,
+        "max_request_body: 4MiB\n      max_stored_response: 4MiB",
+    )
+    .await;
+    let c = client();
+    let h = [
+        ("idempotency-key", "big"),
+        ("x-account-id", "a"),
+        ("content-type", "application/octet-stream"),
+    ];
+    let first = send(&c, Method::POST, &gw.url("/pay"), &h, request.clone()).await;
+    assert_eq!(first.status, 201);
+    let seen = up.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].body.len(), request.len());
+    assert!(
+        seen[0].body == request,
+        "the upstream got the request byte for byte"
+    );
+    assert_eq!(first.body.len(), answer.len());
+    assert!(
+        first.body == answer,
+        "the first answer is the upstream's, whole"
+    );
+
+    let retry = send(&c, Method::POST, &gw.url("/pay"), &h, request.clone()).await;
+    assert_eq!(retry.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.body.len(), answer.len());
+    assert!(
+        retry.body == answer,
+        "the replay is the stored answer byte for byte"
+    );
+    assert_eq!(up.executions(), 1);
+    assert_eq!(
+        row_state(&gw, "a", "big").await.as_deref(),
+        Some("completed")
+    );
 }

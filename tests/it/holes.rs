@@ -356,7 +356,6 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
         "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
         "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
     );
-    assert!(yaml.contains("max_buffered_bytes"), "the patch applied");
     let gw = TestGateway::start(&yaml, &db).await;
     let body = "x".repeat(300 * 1024);
     let url = gw.url("/webhooks/payments");
@@ -389,4 +388,83 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
     assert_eq!(up.executions(), ok);
     assert!(peak <= 1024 * 1024, "peak {peak} bytes");
     assert_eq!(gw.gateway.buffered_bytes(), 0, "every byte given back");
+}
+
+/// Routes are matched in file order, the first that fits wins, even where a later one is
+/// more specific; a route's `methods` leaves other methods to the routes after it; an exact
+/// `path` takes that path (and its one trailing slash), never a longer one. Two upstreams
+/// tell which route took each request.
+#[tokio::test]
+async fn the_first_route_in_file_order_wins_and_methods_and_exact_paths_leave_the_rest() {
+    let (a, b) = (Upstream::start().await, Upstream::start().await);
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+{store}
+upstreams:
+  a: {{ url: "{a}", connect_timeout: 200ms, timeout: 5s }}
+  b: {{ url: "{b}", connect_timeout: 200ms, timeout: 5s }}
+routes:
+  - name: orders
+    match: {{ path_prefix: /orders }}
+    upstream: a
+  - name: special-orders
+    match: {{ path_prefix: /orders/special }}
+    upstream: b
+  - name: submit-post
+    match: {{ path: /submit, methods: [POST] }}
+    upstream: a
+  - name: exact
+    match: {{ path: /exact }}
+    upstream: a
+  - name: rest
+    match: {{ path_prefix: / }}
+    upstream: b
+"#,
+        store = pg_store_block(&db),
+        a = a.url(),
+        b = b.url(),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    for (method, path) in [
+        (Method::POST, "/orders/special/1"),
+        (Method::GET, "/submit"),
+        (Method::POST, "/submit"),
+        (Method::GET, "/exact"),
+        (Method::GET, "/exact/"),
+        (Method::GET, "/exact/more"),
+        (Method::GET, "/exactly"),
+    ] {
+        let r = send(&c, method.clone(), &gw.url(path), &[], "").await;
+        assert_eq!(r.status, 201, "{method} {path}");
+    }
+    let took = |up: &Upstream| -> Vec<(String, String)> {
+        up.seen().into_iter().map(|s| (s.method, s.uri)).collect()
+    };
+    let pairs = |list: &[(&str, &str)]| -> Vec<(String, String)> {
+        list.iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect()
+    };
+    assert_eq!(
+        took(&a),
+        pairs(&[
+            ("POST", "/orders/special/1"), // orders, first in the file
+            ("POST", "/submit"),
+            ("GET", "/exact"),
+            ("GET", "/exact"), // the trailing slash: the configured spelling is forwarded
+        ])
+    );
+    assert_eq!(
+        took(&b),
+        pairs(&[
+            ("GET", "/submit"), // not a POST: the catch-all's
+            ("GET", "/exact/more"),
+            ("GET", "/exactly"),
+        ])
+    );
 }

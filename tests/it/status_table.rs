@@ -87,6 +87,56 @@ async fn a_missing_scope_is_400_or_401_for_authorization() {
     assert_eq!(up.executions(), 0);
 }
 
+/// A scope read from the body (`scope: { json: /account_id }`): a JSON body without the
+/// member (absent, null, empty, or only nested deeper) is 400 `scope-missing`, even with an
+/// `X-Account-Id` header; a body that is not JSON is 400 `body-not-json`. Neither is
+/// forwarded or claims anything; a body with the member is.
+#[tokio::test]
+async fn a_json_scope_missing_from_the_body_or_a_body_not_json_is_400_and_claims_nothing() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "").patch(
+        "scope: { header: X-Account-Id }",
+        "scope: { json: /account_id }",
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let h = [
+        ("idempotency-key", "k"),
+        ("x-account-id", "acct_1"),
+        ("content-type", "application/json"),
+    ];
+    for (body, slug) in [
+        (r#"{"amount":5}"#, "scope-missing"),
+        (r#"{"account_id":null,"amount":5}"#, "scope-missing"),
+        (r#"{"account_id":"","amount":5}"#, "scope-missing"),
+        (
+            r#"{"account":{"account_id":"acct_1"},"amount":5}"#,
+            "scope-missing",
+        ),
+        ("account_id=acct_1&amount=5", "body-not-json"),
+    ] {
+        let r = send(&c, Method::POST, &gw.url("/pay"), &h, body).await;
+        assert_eq!((r.status, r.problem().as_str()), (400, slug), "{body}");
+    }
+    assert_eq!(up.executions(), 0, "nothing forwarded");
+    let db = gw.sql().await;
+    let rows = async || -> i64 {
+        db.query_one("SELECT count(*) FROM idemgate_keys", &[])
+            .await
+            .unwrap()
+            .get(0)
+    };
+    assert_eq!(rows().await, 0, "nothing claimed");
+    let ok = r#"{"account_id":"acct_1","amount":5}"#;
+    let r = send(&c, Method::POST, &gw.url("/pay"), &h, ok).await;
+    assert_eq!(r.status, 201);
+    assert_eq!(up.executions(), 1);
+    assert_eq!(rows().await, 1);
+    let info = gw.store.inspect("json:acct_1", "k").await.unwrap();
+    assert_eq!(info.map(|i| i.state).as_deref(), Some("completed"));
+}
+
 #[tokio::test]
 async fn a_json_pointer_on_a_non_json_body_is_400() {
     let up = Upstream::start().await;

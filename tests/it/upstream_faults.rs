@@ -148,13 +148,82 @@ async fn dns_and_connect_failures_release_the_key_even_under_hold() {
     }
 }
 
+/// An upstream whose TCP connect hangs: a listener with backlog 0 whose accept queue is
+/// already full, so the kernel drops every further SYN. The forward gives up after the
+/// upstream's `connect_timeout` (200ms), well before its `timeout` (5s, which would be 504):
+/// 502, and the key is released even on a `hold` route, since nothing was sent. Once the
+/// upstream accepts again, a retry is forwarded.
+#[tokio::test]
+async fn a_connect_that_hangs_is_502_after_connect_timeout_and_the_key_is_released() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(0).unwrap();
+    let addr = listener.local_addr().unwrap();
+    // Fill the accept queue: connect until a connect does not complete. That one shows the
+    // trick works on this kernel (SYNs to a full queue are dropped, not refused); it is
+    // dropped, and the ones that completed are held open, keeping the queue full.
+    let mut fillers = Vec::new();
+    loop {
+        let connect = tokio::net::TcpStream::connect(addr);
+        match tokio::time::timeout(Duration::from_millis(500), connect).await {
+            Ok(Ok(stream)) => fillers.push(stream),
+            Ok(Err(e)) => panic!("a connect to a full accept queue failed instead of hanging: {e}"),
+            Err(_) => break,
+        }
+        assert!(
+            fillers.len() < 8,
+            "connects to a listener with backlog 0 never hang on this kernel"
+        );
+    }
+    assert!(!fillers.is_empty(), "the queue took a connection first");
+
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &format!("http://{addr}"), "on_unknown_outcome: hold");
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    for attempt in 0..2 {
+        let started = std::time::Instant::now();
+        let r = post(&c, &gw, "a", "k", "x").await;
+        let elapsed = started.elapsed();
+        assert_eq!(
+            (r.status, r.problem().as_str()),
+            (502, "upstream-unavailable"),
+            "attempt {attempt}: a connect failure, not a timeout or a held outcome"
+        );
+        // A hang check, not a speed claim: the exchange's own timeout (5s) never fired.
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "answered after {elapsed:?}"
+        );
+        assert_eq!(row_state(&gw, "a", "k").await, None, "released");
+    }
+
+    // The upstream accepts again: take the fillers off the queue, then serve on it.
+    for _ in 0..fillers.len() {
+        tokio::time::timeout(Duration::from_secs(5), listener.accept())
+            .await
+            .expect("the queued fillers are accepted at once")
+            .unwrap();
+    }
+    let up = Upstream::serve(listener, Behavior::default());
+    let r = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(r.status, 201);
+    assert!(!r.replayed());
+    assert!(post(&c, &gw, "a", "k", "x").await.replayed());
+    assert_eq!(
+        up.executions(),
+        1,
+        "forwarded once, after the upstream came back"
+    );
+    drop(fillers);
+}
+
 #[test]
 fn a_connect_timeout_not_shorter_than_the_timeout_is_a_config_error() {
     let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "").patch(
         "connect_timeout: 200ms, timeout: 5s",
         "connect_timeout: 5s, timeout: 5s",
     );
-    assert!(yaml.contains("connect_timeout: 5s"), "the patch applied");
     let err = idemgate::config::Config::from_yaml(&yaml)
         .unwrap_err()
         .to_string();
@@ -168,7 +237,6 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
     let file = dir.join("short-grace.yaml");
     let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "")
         .patch("shutdown_grace: 5s", "shutdown_grace: 2s");
-    assert!(yaml.contains("shutdown_grace: 2s"), "the patch applied");
     std::fs::write(&file, yaml).unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
         .args(["check", "--config"])

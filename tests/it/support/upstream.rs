@@ -1,5 +1,6 @@
 //! A fake upstream: a real hyper server on 127.0.0.1:0 that counts executions, records what
-//! it received, and can be slowed down or told to answer with a given status or body.
+//! it received, and can be slowed down or told to answer with a given status, body or
+//! extra headers.
 //!
 //! Default answer: 201 with a JSON body naming the execution number, so two executions can
 //! never produce the same bytes, plus a `set-cookie` and an `x-upstream` header (which a
@@ -33,6 +34,8 @@ pub struct Behavior {
     pub body: Option<Bytes>,
     /// Statuses for the next executions, consumed one by one before `status` applies.
     pub script: Vec<u16>,
+    /// More headers on every answer, after the default ones (a name may repeat).
+    pub headers: HeaderMap,
 }
 
 impl Default for Behavior {
@@ -42,6 +45,7 @@ impl Default for Behavior {
             status: 201,
             body: None,
             script: Vec::new(),
+            headers: HeaderMap::new(),
         }
     }
 }
@@ -233,14 +237,14 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         headers: parts.headers.clone(),
         body: body.clone(),
     });
-    let (delay, status, fixed) = {
+    let (delay, status, fixed, extra) = {
         let mut b = state.behavior.lock().unwrap();
         let status = if b.script.is_empty() {
             b.status
         } else {
             b.script.remove(0)
         };
-        (b.delay, status, b.body.clone())
+        (b.delay, status, b.body.clone(), b.headers.clone())
     };
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
@@ -256,7 +260,7 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
     state.by_path.lock().unwrap().leave(parts.uri.path());
     state.in_progress.fetch_sub(1, Ordering::SeqCst);
     state.answered.fetch_add(1, Ordering::SeqCst);
-    Response::builder()
+    let mut response = Response::builder()
         .status(status)
         .header("content-type", "application/json")
         .header("etag", format!("\"e{n}\""))
@@ -267,5 +271,9 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         .header("idempotent-replayed", "true")
         .header("idempotency-status", "from-the-upstream")
         .body(Full::new(body))
-        .expect("valid response")
+        .expect("valid response");
+    for (name, value) in &extra {
+        response.headers_mut().append(name, value.clone());
+    }
+    response
 }
