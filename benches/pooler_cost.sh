@@ -105,19 +105,9 @@ own_ticks() { # pid
   echo $((${12} + ${13}))
 }
 
-# The cluster's CPU ticks (ticks): benches/cluster_cpu.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/cluster_cpu.sh"
+# The cluster's CPU ticks (ticks) and settle: benches/cluster.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 
-# Waits until no client backend of database $1 is left (pgbench's have exited and been reaped;
-# the pooler's server connections are closed first).
-settle() {
-  local i
-  for i in $(seq 100); do
-    [[ $(psql_q -tA -c "SELECT count(*) FROM pg_stat_activity WHERE datname = '$1'" postgres) == 0 ]] &&
-      [[ -z $(ps -o stat= --ppid "$PM" | grep Z) ]] && return
-    sleep 0.1
-  done
-}
 
 # The text of `const NAME: &str = "...";` in src/store/postgres.rs.
 sql_const() { # name

@@ -47,18 +47,9 @@ export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
 PM=$(head -1 "$WORK/pg/data/postmaster.pid")
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
-# The cluster's CPU ticks (ticks): benches/cluster_cpu.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/cluster_cpu.sh"
+# The cluster's CPU ticks (ticks) and settle: benches/cluster.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 
-# Waits until no backend of database $1 is left (pgbench's have exited and been reaped).
-settle() {
-  local i
-  for i in $(seq 100); do
-    [[ $(psql_q -tA -c "SELECT count(*) FROM pg_stat_activity WHERE datname = '$1'" postgres) == 0 ]] &&
-      [[ -z $(ps -o stat= --ppid "$PM" | grep Z) ]] && return
-    sleep 0.1
-  done
-}
 
 # The text of `const NAME: &str = "...";` in a revision's src/store/postgres.rs.
 sql_const() { # rev name

@@ -1,5 +1,5 @@
-# Sourced by the benchmark scripts: CPU accounting of one PostgreSQL cluster from /proc.
-# Needs PM, the postmaster's pid.
+# Sourced by the benchmark scripts: CPU accounting of one PostgreSQL cluster from /proc, and
+# waiting for a database's backends to be gone. Needs PM, the postmaster's pid.
 
 # CPU ticks of the cluster: the postmaster with its reaped children, and its live children.
 # A backend that exited but is not reaped yet is in neither, so callers wait for pgbench's
@@ -27,4 +27,15 @@ ticks() {
     sleep 0.05
   done
   echo $((own + cut + kids))
+}
+
+# Waits until no client backend of database $1 is left (pgbench's have exited and been reaped;
+# behind a pooler, its server connections are closed first). Needs psql_q.
+settle() {
+  local i
+  for i in $(seq 100); do
+    [[ $(psql_q -tA -c "SELECT count(*) FROM pg_stat_activity WHERE datname = '$1'" postgres) == 0 ]] &&
+      [[ -z $(ps -o stat= --ppid "$PM" | grep Z) ]] && return
+    sleep 0.1
+  done
 }
