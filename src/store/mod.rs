@@ -156,9 +156,9 @@ impl RowState {
 
 /// An existing key's row as a claim reads it back, whichever store: what decides the
 /// answer to a request that found its key already there (SPEC section 2, step 4).
-pub(crate) struct ExistingRow {
-    pub state: String,
-    pub fingerprint: Vec<u8>,
+pub(crate) struct ExistingRow<'a> {
+    pub state: &'a str,
+    pub fingerprint: &'a [u8],
     pub status: Option<i64>,
     pub headers: Option<Vec<u8>>,
     pub body: Option<Vec<u8>>,
@@ -168,7 +168,7 @@ pub(crate) struct ExistingRow {
     pub expires_in_ms: i64,
 }
 
-impl ExistingRow {
+impl ExistingRow<'_> {
     /// The claim's answer for a request with fingerprint `fp`. A row that breaks the
     /// schema's invariants (an unknown state, a completed row without its answer) is
     /// [`StoreError::Corrupt`], never a guess.
@@ -181,7 +181,7 @@ impl ExistingRow {
             .status
             .and_then(|s| u16::try_from(s).ok())
             .filter(|s| http::StatusCode::from_u16(*s).is_ok());
-        let state = RowState::parse(&self.state).ok_or(StoreError::Corrupt("unknown state"))?;
+        let state = RowState::parse(self.state).ok_or(StoreError::Corrupt("unknown state"))?;
         Ok(match state {
             // Only a route that holds unknown outcomes leaves an expired lease in place.
             RowState::InFlight if self.lease_expired => Claim::Held,
@@ -390,10 +390,10 @@ pub trait Store: Send + Sync + 'static {
 mod tests {
     use super::*;
 
-    fn row(state: &str) -> ExistingRow {
+    fn row(state: &str) -> ExistingRow<'_> {
         ExistingRow {
-            state: state.into(),
-            fingerprint: vec![7; 32],
+            state,
+            fingerprint: &[7; 32],
             status: Some(201),
             headers: Some(
                 StoredResponse {

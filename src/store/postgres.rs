@@ -816,7 +816,7 @@ impl PgStore {
             }));
         }
         ExistingRow {
-            state: state.to_owned(),
+            state,
             fingerprint: row.get("fingerprint"),
             status: row.get::<_, Option<i32>>("status").map(i64::from),
             headers: row.get("headers"),

@@ -249,9 +249,11 @@ fn decode_existing(
     fp: &[u8; 32],
     row: &rusqlite::Row<'_>,
 ) -> rusqlite::Result<Result<Claim, StoreError>> {
+    let state: String = row.get(0)?;
+    let fingerprint: Vec<u8> = row.get(1)?;
     Ok(ExistingRow {
-        state: row.get(0)?,
-        fingerprint: row.get(1)?,
+        state: &state,
+        fingerprint: &fingerprint,
         status: row.get(2)?,
         headers: row.get(3)?,
         body: row.get(4)?,

@@ -44,6 +44,23 @@ pub fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// Runs the shell command `cleanup` once this test process is gone, however it ends (statics
+/// are never dropped, and a killed process drops nothing): a watcher that outlives us.
+#[allow(clippy::zombie_processes)] // it must outlive us: nobody waits for it, by design
+pub fn after_this_process(cleanup: &str) {
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {cleanup}",
+        pid = std::process::id()
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning a watchdog");
+}
+
 /// A command run as the cluster's owner.
 fn pg_command(bin: &Path, tool: &str) -> Command {
     let exe = bin.join(tool);
@@ -169,7 +186,6 @@ impl Cluster {
     }
 
     /// Stops the cluster (and removes its files) when this process is gone, however it ends.
-    #[allow(clippy::zombie_processes)] // it must outlive us: nobody waits for it, by design
     fn watchdog(&self) {
         let dir = self.dir.as_ref().expect("own cluster");
         let ctl = self.bin.join("pg_ctl");
@@ -186,18 +202,7 @@ impl Cluster {
                 dir.join("data").display()
             )
         };
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; {stop} >/dev/null 2>&1; rm -rf {dir}",
-            pid = std::process::id(),
-            dir = dir.display()
-        );
-        Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning the cluster watchdog");
+        after_this_process(&format!("{stop} >/dev/null 2>&1; rm -rf {}", dir.display()));
     }
 
     /// Starts (or restarts) the server and waits until it accepts connections.

@@ -148,23 +148,13 @@ impl Bouncer {
     }
 
     /// Stops the pooler (and removes its files) when this process is gone, however it ends.
-    #[allow(clippy::zombie_processes)] // it must outlive us: nobody waits for it, by design
     fn watchdog(&self) {
         let pidfile = self.dir.join("pgbouncer.pid");
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-             [ -s {pidfile} ] && kill $(cat {pidfile}) 2>/dev/null; sleep 1; rm -rf {dir}",
-            pid = std::process::id(),
+        pg::after_this_process(&format!(
+            "[ -s {pidfile} ] && kill $(cat {pidfile}) 2>/dev/null; sleep 1; rm -rf {dir}",
             pidfile = pidfile.display(),
             dir = self.dir.display()
-        );
-        Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning the pooler watchdog");
+        ));
     }
 }
 
