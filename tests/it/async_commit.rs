@@ -61,7 +61,7 @@ async fn serve_until_exit(yaml: &str) -> (Option<i32>, String) {
     let config = dir.join("gateway.yaml");
     std::fs::write(&config, yaml).unwrap();
     let out = dir.join("out.log");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    let mut child = Command::new(crate::support::bin::idemgate())
         .args(["serve", "--config"])
         .arg(&config)
         .stdin(Stdio::null())

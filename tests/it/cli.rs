@@ -4,7 +4,7 @@ use crate::support::Patch;
 use std::process::Command;
 
 fn idemgate() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    Command::new(crate::support::bin::idemgate())
 }
 
 fn example() -> std::path::PathBuf {

@@ -114,7 +114,7 @@ async fn a_gateway_killed_mid_request_holds_the_key_until_an_operator_deletes_it
 
     let config = gw.config.clone();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        std::process::Command::new(crate::support::bin::idemgate())
             .args(["keys", "delete", "--config"])
             .arg(&config)
             .args(["--scope", "a", "--key", "evt-2"])

@@ -295,7 +295,7 @@ fn run_in_stage(workdir: &Path, ins: &Instruction, env: &[(String, String)]) {
 
 /// The build directory of this test binary (`target/`), where the replay keeps its own.
 fn target_dir() -> PathBuf {
-    let exe = Path::new(env!("CARGO_BIN_EXE_idemgate"));
+    let exe = crate::support::bin::idemgate();
     exe.parent()
         .and_then(Path::parent)
         .expect("the binary lives in target/<profile>/")

@@ -29,7 +29,7 @@ async fn the_second_instance_refusal_reaches_the_command_line() {
     let mut first = crate::support::process::GatewayProcess::start(&yaml).await;
     let config = first.config.clone();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+        std::process::Command::new(crate::support::bin::idemgate())
             .args(["gc", "--config"])
             .arg(&config)
             .output()

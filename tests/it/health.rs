@@ -10,7 +10,7 @@ use crate::support::process::GatewayProcess;
 use crate::support::*;
 
 async fn health(args: &[&str]) -> Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    tokio::process::Command::new(crate::support::bin::idemgate())
         .arg("health")
         .args(args)
         .output()

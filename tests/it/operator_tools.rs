@@ -91,7 +91,7 @@ fn write_config(gw: &TestGateway, upstream: &str) -> std::path::PathBuf {
 }
 
 fn idemgate(args: &[&str], config: &std::path::Path) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_idemgate"));
+    let mut cmd = Command::new(crate::support::bin::idemgate());
     cmd.args(&args[..args.len().min(2)])
         .arg("--config")
         .arg(config);
@@ -316,7 +316,7 @@ fn an_admin_listener_off_loopback_without_a_token_is_a_config_error() {
     let file = dir.join("open-admin.yaml");
     let base = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "");
     std::fs::write(&file, format!("{base}admin: {{ listen: 0.0.0.0:9090 }}\n")).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    let out = Command::new(crate::support::bin::idemgate())
         .args(["check", "--config"])
         .arg(&file)
         .output()
@@ -330,7 +330,7 @@ fn an_admin_listener_off_loopback_without_a_token_is_a_config_error() {
         format!("{base}admin: {{ listen: 127.0.0.1:9090 }}\n"),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    let out = Command::new(crate::support::bin::idemgate())
         .args(["check", "--config"])
         .arg(&file)
         .output()

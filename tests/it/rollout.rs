@@ -441,7 +441,7 @@ async fn readyz_fails_until_the_store_is_first_ready_then_stays_200_through_an_o
 
 /// `idemgate health --url` on an admin listener's `/readyz`.
 async fn idemgate_health(admin: &str) -> std::process::Output {
-    tokio::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    tokio::process::Command::new(crate::support::bin::idemgate())
         .args(["health", "--url", &format!("http://{admin}/readyz")])
         .output()
         .await

@@ -235,7 +235,7 @@ fn no_trusted_roots_at_all_is_a_config_error_naming_the_field() {
         config_yaml("postgres://u@localhost/db", "https://localhost:9443", ""),
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    let out = std::process::Command::new(crate::support::bin::idemgate())
         .args(["check", "--config"])
         .arg(&config)
         .env("SSL_CERT_FILE", &empty)

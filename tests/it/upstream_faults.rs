@@ -238,7 +238,7 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
     let yaml = config_yaml("postgres://u@localhost/db", "http://127.0.0.1:9", "")
         .patch("shutdown_grace: 5s", "shutdown_grace: 2s");
     std::fs::write(&file, yaml).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemgate"))
+    let out = std::process::Command::new(crate::support::bin::idemgate())
         .args(["check", "--config"])
         .arg(&file)
         .output()

@@ -1,6 +1,7 @@
 //! Test helpers: a gateway on 127.0.0.1:0 against a fresh database and a fake upstream, an
 //! HTTP client, and waiting on a condition with a deadline (never sleeping "to settle").
 
+pub mod bin;
 pub mod certs;
 pub mod fault_proxy;
 pub mod pg;

@@ -26,7 +26,7 @@ impl GatewayProcess {
             N.fetch_add(1, Ordering::SeqCst)
         ));
         std::fs::create_dir_all(&dir).unwrap();
-        let exe = Path::new(env!("CARGO_BIN_EXE_idemgate"));
+        let exe = crate::support::bin::idemgate();
         let inner = idemgate::process::GatewayProcess::start_with_env(exe, &dir, yaml, env)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
