@@ -111,7 +111,35 @@ impl AccessLine {
             self.client_ip,
             self.status,
         );
-        if status >= 500 {
+        let warn = status >= 500;
+        if let Some(format) = crate::logging::own_format() {
+            // Straight into the log buffer in the subscriber's layout (logging.rs), if its
+            // filter lets the line through.
+            let enabled = if warn {
+                tracing::enabled!(target: "idemgate::access", tracing::Level::WARN)
+            } else {
+                tracing::enabled!(target: "idemgate::access", tracing::Level::INFO)
+            };
+            if enabled {
+                use crate::logging::{Event, Value};
+                let mut line = Event::new(format, warn, "idemgate::access", "request");
+                line.field("method", Value::Str(method))
+                    .field("path", Value::Str(path))
+                    .field("proto", Value::Str(proto))
+                    .field("client", Value::Display(&client))
+                    .field("route", Value::Str(route))
+                    .field("outcome", Value::Str(self.outcome))
+                    .field("status", Value::U64(u64::from(status)))
+                    .field("bytes_in", Value::U64(bytes_in))
+                    .field("bytes_out", Value::U64(bytes_out))
+                    .field("upstream_us", Value::I64(upstream_us))
+                    .field("duration_us", Value::U64(duration_us))
+                    .field("key", Value::Str(key))
+                    .field("request_id", Value::Str(request_id))
+                    .field("error", Value::Str(error));
+                line.write();
+            }
+        } else if warn {
             tracing::warn!(
                 target: "idemgate::access", method, path, proto, %client, route,
                 outcome = self.outcome, status, bytes_in, bytes_out, upstream_us, duration_us,
