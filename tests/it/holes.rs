@@ -79,6 +79,40 @@ async fn every_spelling_of_a_keyed_path_is_one_request_executed_once() {
     );
 }
 
+/// What reaches the upstream is the normalized path, on a prefix route, an exact route and
+/// the catch-all alike; each request below has a key of its own, so each is forwarded and the
+/// upstream records the URI it received.
+#[tokio::test]
+async fn the_upstream_receives_the_normalized_path_whatever_the_client_spelled() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    let cases = [
+        // The prefix route `/api/` (keyed, fixed scope).
+        ("//api//b/./c", "/api/b/c"),
+        ("/api/x/../b/%63", "/api/b/c"),
+        // Unreserved escapes decoded, others upper-cased; the query is left as it came.
+        ("/api//b/%7e%2fz?q=%2f1", "/api/b/~%2Fz?q=%2f1"),
+        // The exact route: its one trailing slash dropped, the configured spelling forwarded.
+        ("/webhooks/payments/", "/webhooks/payments"),
+        ("/webhooks//%70ayments/", "/webhooks/payments"),
+        ("/webhooks/./x/../payments", "/webhooks/payments"),
+        // The catch-all (not keyed) forwards the normal form too.
+        ("//a//b/./c", "/a/b/c"),
+    ];
+    for (i, (spelled, _)) in cases.iter().enumerate() {
+        let key = format!("spelling-{i}");
+        let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+        let r = keyed(&c, &gw.url(spelled), &h, "{}").await;
+        assert_eq!(r.status, 201, "{spelled}");
+        assert!(!r.replayed(), "{spelled}: a key of its own, forwarded");
+    }
+    let received: Vec<String> = up.seen().into_iter().map(|s| s.uri).collect();
+    let expected: Vec<String> = cases.iter().map(|(_, n)| n.to_string()).collect();
+    assert_eq!(received, expected, "the upstream received the normal forms");
+}
+
 #[tokio::test]
 async fn a_prefix_matches_on_a_segment_boundary_and_climbing_above_the_root_is_refused() {
     let up = Upstream::start().await;
@@ -114,8 +148,10 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
     let db = pg::fresh_database().await;
     let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
     let c = client();
-    // Random spellings of `/webhooks/payments`: each character plain or percent-encoded in
-    // either case, separators doubled, `.` and `x/..` detours; one key per generated pair.
+    // Random spellings of `/webhooks/payments` (an exact route) and `/api/pay-in_v1.0~x` (a
+    // prefix route): each character plain or percent-encoded in either case, separators
+    // doubled, `.` and `x/..` detours, a trailing slash on the exact route; one key per
+    // generated pair, whose first spelling reaches the upstream in normal form.
     let seg = |word: &'static str| {
         let chars: Vec<_> = word
             .chars()
@@ -137,11 +173,20 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
             proptest::strategy::Just("/zz/../"),
         ]
     };
-    let spelling = (sep(), seg("webhooks"), sep(), seg("payments"))
-        .prop_map(|(a, w, b, p)| format!("{a}{w}{b}{p}"));
+    // The exact route accepts one trailing slash; the prefix route's path carries every
+    // unreserved punctuation character (`-._~`), each escaped in either case too.
+    let slash =
+        || proptest::prop_oneof![proptest::strategy::Just(""), proptest::strategy::Just("/")];
+    let exact = (sep(), seg("webhooks"), sep(), seg("payments"), slash())
+        .prop_map(|(a, w, b, p, t)| format!("{a}{w}{b}{p}{t}"))
+        .boxed();
+    let prefix = (sep(), seg("api"), sep(), seg("pay-in_v1.0~x"))
+        .prop_map(|(a, w, b, p)| format!("{a}{w}{b}{p}"))
+        .boxed();
     let mut runner = TestRunner::deterministic();
-    let cases = 12;
+    let cases = 48;
     for i in 0..cases {
+        let spelling = if i % 2 == 0 { &exact } else { &prefix };
         let one = spelling.new_tree(&mut runner).unwrap().current();
         let two = spelling.new_tree(&mut runner).unwrap().current();
         let key = format!("prop-{i}");
@@ -150,6 +195,12 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
         let b = keyed(&c, &gw.url(&two), &h, "{}").await;
         assert_eq!((a.status, b.status), (201, 201), "{one} / {two}");
         assert!(b.replayed(), "{two} replays {one}");
+        let normal = if i % 2 == 0 {
+            "/webhooks/payments"
+        } else {
+            "/api/pay-in_v1.0~x"
+        };
+        assert_eq!(up.seen().last().unwrap().uri, normal, "{one}");
     }
     assert_eq!(
         up.executions(),
