@@ -441,6 +441,170 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
     assert_eq!(gw.gateway.buffered_bytes(), 0, "every byte given back");
 }
 
+/// An HTTP/1.1 upstream on raw TCP that reads each request body slowly: after the head and
+/// a first few bytes of the body it stops reading until released, then reads the rest a few
+/// bytes at a time and answers `201 {}`. It counts the requests it saw (their heads) and how
+/// many bodies it is reading now.
+struct SlowReader {
+    addr: std::net::SocketAddr,
+    heads: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    reading: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: std::sync::Arc<tokio::sync::Semaphore>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowReader {
+    async fn start() -> SlowReader {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (heads, reading) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let (h, r, rel) = (heads.clone(), reading.clone(), release.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let (h, r, rel) = (h.clone(), r.clone(), rel.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut few = [0u8; 16];
+                    loop {
+                        // The head (read a few bytes at a time, never past its end by much).
+                        let end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            match conn.read(&mut few).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&few[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        buf.drain(..end);
+                        h.fetch_add(1, Ordering::SeqCst);
+                        r.fetch_add(1, Ordering::SeqCst);
+                        // Stalled until the test releases this body.
+                        rel.acquire().await.unwrap().forget();
+                        let mut chunk = [0u8; 512];
+                        while buf.len() < length {
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..length);
+                        r.fetch_sub(1, Ordering::SeqCst);
+                        let answer = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                        if conn.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        SlowReader {
+            addr,
+            heads,
+            reading,
+            release,
+            _task: task,
+        }
+    }
+
+    fn heads(&self) -> usize {
+        self.heads.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn reading(&self) -> usize {
+        self.reading.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// `max_buffered_bytes` in front of an upstream that reads bodies slowly: the bodies the
+/// gateway admitted stay buffered while the upstream reads them, and new requests past the
+/// budget are refused (503 `overloaded`, `Retry-After`), never forwarded; `/metrics` shows
+/// the gauge and the refusals by bound.
+#[tokio::test]
+async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes() {
+    let up = SlowReader::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, &format!("http://{}", up.addr), "").patch(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let body = "x".repeat(300 * 1024);
+    let url = gw.url("/webhooks/payments");
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, url, body) = (client(), url.clone(), body.clone());
+            tokio::spawn(async move {
+                let key = format!("slow-{i}");
+                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+                send(&c, Method::POST, &url, &h, body).await
+            })
+        })
+        .collect();
+    // While the upstream reads nothing more, every request is either at the upstream or
+    // already answered by the gateway.
+    wait_until(
+        "every request is answered or at the stalled upstream",
+        Duration::from_secs(10),
+        || async { tasks.iter().filter(|t| t.is_finished()).count() + up.reading() == 8 },
+    )
+    .await;
+    // 1 MiB holds three 300 KiB bodies, not four.
+    assert_eq!(up.reading(), 3, "bodies admitted at once");
+    let admin = format!("http://{}/metrics", gw.admin);
+    let c = client();
+    let text =
+        String::from_utf8_lossy(&send(&c, Method::GET, &admin, &[], "").await.body).into_owned();
+    assert_eq!(
+        metric(&text, "idemgate_buffered_bytes "),
+        (3 * 300 * 1024) as f64,
+        "the gauge holds the three admitted bodies"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "idemgate_overloaded_total{upstream=\"app\",bound=\"max_buffered_bytes\"}"
+        ),
+        5.0
+    );
+    up.release.add_permits(8);
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status {
+            201 => ok += 1,
+            503 => {
+                assert_eq!(r.problem(), "overloaded");
+                assert!(r.headers.contains_key("retry-after"));
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(ok, 3);
+    assert_eq!(up.heads(), 3, "no refused request was forwarded");
+    wait_until(
+        "every byte is given back",
+        Duration::from_secs(10),
+        || async {
+            let m = send(&c, Method::GET, &admin, &[], "").await;
+            metric(
+                &String::from_utf8_lossy(&m.body),
+                "idemgate_buffered_bytes ",
+            ) == 0.0
+        },
+    )
+    .await;
+}
+
 /// Routes are matched in file order, the first that fits wins, even where a later one is
 /// more specific; a route's `methods` leaves other methods to the routes after it; an exact
 /// `path` takes that path (and its one trailing slash), never a longer one. Two upstreams
