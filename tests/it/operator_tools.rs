@@ -260,6 +260,33 @@ async fn a_key_in_flight_under_a_live_lease_is_deleted_only_when_forced() {
     let _ = std::fs::remove_file(cfg);
 }
 
+/// A PostgreSQL backend stopped with SIGSTOP, continued (SIGCONT) when dropped, however the
+/// test ends.
+struct StoppedBackend(i32);
+
+impl StoppedBackend {
+    fn stop(pid: i32) -> StoppedBackend {
+        let sent = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(sent, "kill -STOP {pid} failed");
+        StoppedBackend(pid)
+    }
+}
+
+impl Drop for StoppedBackend {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// The delete's announcement cannot reach this instance (its listener's backend is
+/// stopped), so only the instance's own eviction keeps the deleted key out of its replay
+/// cache.
 #[tokio::test]
 async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
     let up = Upstream::start().await;
@@ -275,10 +302,26 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
         .trusted_cache()
         .map(|(c, _)| c.hits.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(hits, Some(1), "the second replay came from memory");
+    let listener: i32 = gw
+        .sql()
+        .await
+        .query_one(
+            "SELECT pid FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = $1",
+            &[&idemgate::store::pg_listener::APPLICATION_NAME],
+        )
+        .await
+        .expect("one listener session")
+        .get(0);
+    let stopped = StoppedBackend::stop(listener);
     let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
     assert_eq!(deleted.status, 204);
-    // At once, without waiting for the NOTIFY round trip.
+    assert!(
+        gw.store.wakeups().trusted_cache().is_some(),
+        "the cache is still trusted: nothing but the delete itself evicts the key"
+    );
     let after = post(&c, &gw, "a", "k", "x").await;
+    drop(stopped);
     assert!(!after.replayed(), "forwarded again right after the delete");
     assert_eq!(up.executions(), 2);
 }
