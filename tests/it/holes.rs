@@ -291,6 +291,66 @@ async fn a_header_scope_cannot_squat_a_fixed_scopes_key() {
     assert_eq!(scopes, ["fixed:webhooks", "header:webhooks"]);
 }
 
+/// A scope read from the body (`json:`) and one read from a header (`header:`) with the same
+/// value are two scopes: the same key under each is two requests.
+#[tokio::test]
+async fn a_json_scope_and_a_header_scope_with_the_same_value_do_not_share_a_key() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+{store}
+upstreams:
+  app: {{ url: "{up}", connect_timeout: 200ms, timeout: 5s }}
+routes:
+  - name: by-body
+    match: {{ path: /orders }}
+    upstream: app
+    idempotency:
+      scope: {{ json: /account }}
+  - name: by-header
+    match: {{ path_prefix: / }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+"#,
+        store = pg_store_block(&db),
+        up = up.url(),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let body = r#"{"account":"acme"}"#;
+    let json = [
+        ("idempotency-key", "k"),
+        ("content-type", "application/json"),
+    ];
+    let first = keyed(&c, &gw.url("/orders"), &json, body).await;
+    assert_eq!(first.status, 201);
+    let header = [
+        ("idempotency-key", "k"),
+        ("x-account-id", "acme"),
+        ("content-type", "application/json"),
+    ];
+    let other = keyed(&c, &gw.url("/orders/x"), &header, body).await;
+    assert_eq!(other.status, 201);
+    assert!(!other.replayed(), "another scope's key: forwarded");
+    assert!(keyed(&c, &gw.url("/orders"), &json, body).await.replayed());
+    assert_eq!(up.executions(), 2);
+    let scopes: Vec<String> = gw
+        .sql()
+        .await
+        .query("SELECT scope FROM idemgate_keys ORDER BY scope", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(scopes, ["header:acme", "json:acme"]);
+}
+
 #[tokio::test]
 async fn an_upstreams_own_replay_headers_never_reach_the_client() {
     let up = Upstream::start().await;
