@@ -2,7 +2,7 @@
 //! with test-friendly failures: every error panics with the gateway's log.
 
 use std::ops::{Deref, DerefMut};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 pub struct GatewayProcess {
