@@ -229,6 +229,62 @@ mod tests {
         assert!(c.get("k", &[1; 32]).is_some());
     }
 
+    /// Fills racing evictions on threads, many rounds: each round a filler reads the epoch
+    /// (as before a store read) before the round starts, then fills a key while another
+    /// thread evicts that key, both started while the test holds the cache's lock: the
+    /// eviction always comes after the epoch read, and which of the two takes the lock first
+    /// varies. A fill read before the
+    /// eviction never survives it, whichever goes first. It fails if `put` checked the epoch
+    /// before taking the lock (a fill that passed the check could then land after the
+    /// eviction). The yields while the lock is held only give both threads time to reach
+    /// it; the assertion does not depend on them.
+    #[test]
+    fn a_fill_racing_an_eviction_never_outlives_it() {
+        use std::sync::Barrier;
+        let c = Arc::new(ReplayCache::new(1 << 20));
+        let later = Instant::now() + Duration::from_secs(600);
+        let rounds = 2_000;
+        let start = Arc::new(Barrier::new(3));
+        let done = Arc::new(Barrier::new(3));
+        let racer = |fill: bool| {
+            let (c, start, done) = (Arc::clone(&c), Arc::clone(&start), Arc::clone(&done));
+            std::thread::spawn(move || {
+                for i in 0..rounds {
+                    let id = format!("k{i}");
+                    // The filler's epoch is read before the round starts: before the eviction.
+                    let epoch = c.epoch();
+                    start.wait();
+                    if fill {
+                        c.put(epoch, id, [1; 32], resp(10), later);
+                    } else {
+                        c.invalidate(&id);
+                    }
+                    done.wait();
+                }
+            })
+        };
+        let (filler, evictor) = (racer(true), racer(false));
+        let mut survived = 0;
+        for i in 0..rounds {
+            let held = c.inner.lock().unwrap();
+            start.wait();
+            for _ in 0..50 {
+                std::thread::yield_now();
+            }
+            drop(held);
+            done.wait();
+            if c.get(&format!("k{i}"), &[1; 32]).is_some() {
+                survived += 1;
+            }
+        }
+        filler.join().unwrap();
+        evictor.join().unwrap();
+        assert_eq!(
+            survived, 0,
+            "fills read before an eviction that outlived it"
+        );
+    }
+
     #[tokio::test]
     async fn the_byte_budget_evicts_the_oldest() {
         let c = ReplayCache::new(3 * (ENTRY_OVERHEAD + 1 + 1000));

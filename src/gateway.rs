@@ -953,6 +953,29 @@ mod tests {
         assert_eq!((problem.status.as_u16(), problem.slug), (500, "internal"));
     }
 
+    #[tokio::test]
+    async fn a_cancelled_task_is_a_500_internal_never_blamed_on_the_store() {
+        let (_hold, wait) = tokio::sync::oneshot::channel::<()>();
+        let handle = tokio::spawn(async move {
+            let _ = wait.await;
+            (
+                Ok(Response::new(full(Bytes::new()))),
+                outcome::FORWARDED,
+                None,
+            )
+        });
+        handle.abort();
+        let joined_result = handle.await;
+        assert!(joined_result.as_ref().is_err_and(|e| e.is_cancelled()));
+        let (result, name, took) = joined(joined_result);
+        let err = result.expect_err("a cancelled task is an error");
+        assert_eq!(name, outcome::INTERNAL);
+        assert!(took.is_none());
+        assert!(err.to_string().contains("cancelled"), "{err}");
+        let problem = err.problem();
+        assert_eq!((problem.status.as_u16(), problem.slug), (500, "internal"));
+    }
+
     #[test]
     fn another_spelling_of_the_path_keeps_the_query() {
         let uri: http::Uri = "/a//b?x=1&y=%2F".parse().unwrap();

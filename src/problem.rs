@@ -46,8 +46,10 @@ pub enum GatewayError {
     FingerprintMismatch,
     #[error("a request with this key is in flight")]
     InFlight { retry_after: Duration },
+    /// Built by `From<StoreError>`, which turns a store call that panicked into
+    /// [`GatewayError::Internal`].
     #[error("store unavailable: {0}")]
-    Store(#[from] StoreError),
+    Store(StoreError),
     #[error("the upstream answered but the answer could not be stored: {0}")]
     StoreAfterForward(StoreError),
     #[error("upstream not reachable: {0}")]
@@ -60,6 +62,17 @@ pub enum GatewayError {
     OutcomeUnknown,
     #[error("the stored response was too large to replay")]
     NotReplayable,
+}
+
+impl From<StoreError> for GatewayError {
+    /// A store that could not answer is 503 `store-unavailable`; a store call that panicked
+    /// is a bug, 500 `internal`.
+    fn from(e: StoreError) -> GatewayError {
+        match e {
+            StoreError::Internal(why) => GatewayError::Internal(why),
+            e => GatewayError::Store(e),
+        }
+    }
 }
 
 impl From<crate::key::KeyError> for GatewayError {

@@ -90,7 +90,7 @@ impl ForwardJob {
                             tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
                         }
                         return Err(match got {
-                            Err(e) => GatewayError::Store(e),
+                            Err(e) => GatewayError::from(e),
                             _ => GatewayError::in_flight(),
                         });
                     }

@@ -55,6 +55,10 @@ pub enum StoreError {
     /// not an outage. The text names the setting that would accept it.
     #[error("{0}")]
     NotDurable(String),
+    /// A store call failed inside the gateway itself (a bug: the embedded store's job
+    /// panicked): 500 `internal`, never blamed on the store.
+    #[error("a store call panicked: {0}")]
+    Internal(String),
 }
 
 impl StoreError {
@@ -64,7 +68,10 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         match self {
             StoreError::AcquireTimeout | StoreError::Timeout | StoreError::Connect(_) => true,
-            StoreError::Db(_) | StoreError::Corrupt(_) | StoreError::NotDurable(_) => false,
+            StoreError::Db(_)
+            | StoreError::Corrupt(_)
+            | StoreError::NotDurable(_)
+            | StoreError::Internal(_) => false,
         }
     }
 }

@@ -4,7 +4,9 @@
 //! - One connection, owned by one dedicated thread; every call is a job sent to it, so no
 //!   blocking SQLite call ever runs on an async worker. A job carries its deadline: a job
 //!   still queued when its caller gave up is skipped, never run late (a late claim would
-//!   leave a key in flight with nobody to forward it).
+//!   leave a key in flight with nobody to forward it). A job that panics (a bug) has its
+//!   transaction rolled back and answers its caller [`StoreError::Internal`] (500
+//!   `internal`, not 503 `store-unavailable`); the thread keeps serving.
 //! - SQLite has one writer, and every call runs in one `BEGIN IMMEDIATE` transaction on the
 //!   one connection, so the claim (an `INSERT ... ON CONFLICT DO UPDATE ... WHERE
 //!   <claimable> RETURNING`, then a read of the row when nothing was claimed) cannot
@@ -116,7 +118,14 @@ impl SqliteStore {
             .spawn(move || {
                 while let Ok((deadline, job)) = rx.recv() {
                     if Instant::now() <= deadline {
-                        job(&mut conn);
+                        // Jobs catch their own panics (`call_inner`); this keeps the thread
+                        // serving even if one did not.
+                        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            job(&mut conn)
+                        }));
+                        if ran.is_err() {
+                            tracing::error!("a job on the embedded store's thread panicked");
+                        }
                     }
                     // A job past its deadline is dropped unrun; its caller already answered.
                 }
@@ -162,12 +171,16 @@ impl SqliteStore {
             if otx.is_closed() {
                 return; // the caller is gone: do not claim (or write) on its behalf
             }
-            let result = (|| {
+            // A panic inside the call rolls its transaction back (the transaction is dropped
+            // while unwinding) and answers the caller with an internal error; the thread and
+            // its connection keep serving.
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 let v = f(&tx)?;
                 tx.commit()?;
                 Ok(v)
-            })();
+            }))
+            .unwrap_or_else(|panic| Err(Panicked(panic_text(panic.as_ref()))));
             let _ = otx.send(result);
         });
         self.jobs
@@ -177,9 +190,34 @@ impl SqliteStore {
             Err(_) => Err(StoreError::Timeout),
             // Dropped unrun: it waited in the queue past its deadline.
             Ok(Err(_)) => Err(StoreError::AcquireTimeout),
-            Ok(Ok(r)) => r.map_err(sqlite_error),
+            Ok(Ok(r)) => r.map_err(|e| match e {
+                Panicked(why) => StoreError::Internal(why),
+                CallError::Sqlite(e) => sqlite_error(e),
+            }),
         }
     }
+}
+
+/// How a job on the store thread failed: SQLite said no, or the job panicked.
+enum CallError {
+    Sqlite(rusqlite::Error),
+    Panicked(String),
+}
+use CallError::Panicked;
+
+impl From<rusqlite::Error> for CallError {
+    fn from(e: rusqlite::Error) -> CallError {
+        CallError::Sqlite(e)
+    }
+}
+
+/// The message of a panic, when it has one.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 fn lock_path(path: &Path) -> PathBuf {
@@ -559,5 +597,61 @@ impl Store for SqliteStore {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::problem::GatewayError;
+
+    /// A fresh store file in its own directory, removed at the end.
+    fn fresh(name: &str) -> (SqliteStore, PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "idemgate-sqlite-unit-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = SqliteStore::open(&SqliteConfig {
+            path: dir.join("idemgate.db"),
+            busy_timeout: Duration::from_secs(1),
+        })
+        .expect("open");
+        (store, dir)
+    }
+
+    #[tokio::test]
+    async fn a_job_that_panics_is_500_internal_and_the_store_thread_keeps_serving() {
+        let (store, dir) = fresh("panic");
+        store.migrate().await.expect("migrate");
+        let err = store
+            .call("test", |tx| -> rusqlite::Result<()> {
+                tx.execute_batch("CREATE TABLE half_done (x INTEGER)")?;
+                panic!("a bug in a store job");
+            })
+            .await
+            .expect_err("a panic is an error");
+        assert!(
+            matches!(&err, StoreError::Internal(why) if why.contains("a bug in a store job")),
+            "{err:?}"
+        );
+        assert!(!err.is_unavailable(), "never passed through as an outage");
+        let problem = GatewayError::from(err).problem();
+        assert_eq!((problem.status.as_u16(), problem.slug), (500, "internal"));
+        // The thread serves the next call, its transaction rolled back.
+        store.ready().await.expect("the store still answers");
+        let tables: i64 = store
+            .call("test", |tx| {
+                tx.query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE name = 'half_done'",
+                    [],
+                    |r| r.get(0),
+                )
+            })
+            .await
+            .expect("the store still answers");
+        assert_eq!(tables, 0, "the panicked job's write was rolled back");
+        drop(store);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

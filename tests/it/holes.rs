@@ -79,6 +79,40 @@ async fn every_spelling_of_a_keyed_path_is_one_request_executed_once() {
     );
 }
 
+/// What reaches the upstream is the normalized path, on a prefix route, an exact route and
+/// the catch-all alike; each request below has a key of its own, so each is forwarded and the
+/// upstream records the URI it received.
+#[tokio::test]
+async fn the_upstream_receives_the_normalized_path_whatever_the_client_spelled() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
+    let c = client();
+    let cases = [
+        // The prefix route `/api/` (keyed, fixed scope).
+        ("//api//b/./c", "/api/b/c"),
+        ("/api/x/../b/%63", "/api/b/c"),
+        // Unreserved escapes decoded, others upper-cased; the query is left as it came.
+        ("/api//b/%7e%2fz?q=%2f1", "/api/b/~%2Fz?q=%2f1"),
+        // The exact route: its one trailing slash dropped, the configured spelling forwarded.
+        ("/webhooks/payments/", "/webhooks/payments"),
+        ("/webhooks//%70ayments/", "/webhooks/payments"),
+        ("/webhooks/./x/../payments", "/webhooks/payments"),
+        // The catch-all (not keyed) forwards the normal form too.
+        ("//a//b/./c", "/a/b/c"),
+    ];
+    for (i, (spelled, _)) in cases.iter().enumerate() {
+        let key = format!("spelling-{i}");
+        let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+        let r = keyed(&c, &gw.url(spelled), &h, "{}").await;
+        assert_eq!(r.status, 201, "{spelled}");
+        assert!(!r.replayed(), "{spelled}: a key of its own, forwarded");
+    }
+    let received: Vec<String> = up.seen().into_iter().map(|s| s.uri).collect();
+    let expected: Vec<String> = cases.iter().map(|(_, n)| n.to_string()).collect();
+    assert_eq!(received, expected, "the upstream received the normal forms");
+}
+
 #[tokio::test]
 async fn a_prefix_matches_on_a_segment_boundary_and_climbing_above_the_root_is_refused() {
     let up = Upstream::start().await;
@@ -114,8 +148,10 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
     let db = pg::fresh_database().await;
     let gw = TestGateway::start(&catch_all_yaml(&db, &up.url(), ""), &db).await;
     let c = client();
-    // Random spellings of `/webhooks/payments`: each character plain or percent-encoded in
-    // either case, separators doubled, `.` and `x/..` detours; one key per generated pair.
+    // Random spellings of `/webhooks/payments` (an exact route) and `/api/pay-in_v1.0~x` (a
+    // prefix route): each character plain or percent-encoded in either case, separators
+    // doubled, `.` and `x/..` detours, a trailing slash on the exact route; one key per
+    // generated pair, whose first spelling reaches the upstream in normal form.
     let seg = |word: &'static str| {
         let chars: Vec<_> = word
             .chars()
@@ -137,11 +173,20 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
             proptest::strategy::Just("/zz/../"),
         ]
     };
-    let spelling = (sep(), seg("webhooks"), sep(), seg("payments"))
-        .prop_map(|(a, w, b, p)| format!("{a}{w}{b}{p}"));
+    // The exact route accepts one trailing slash; the prefix route's path carries every
+    // unreserved punctuation character (`-._~`), each escaped in either case too.
+    let slash =
+        || proptest::prop_oneof![proptest::strategy::Just(""), proptest::strategy::Just("/")];
+    let exact = (sep(), seg("webhooks"), sep(), seg("payments"), slash())
+        .prop_map(|(a, w, b, p, t)| format!("{a}{w}{b}{p}{t}"))
+        .boxed();
+    let prefix = (sep(), seg("api"), sep(), seg("pay-in_v1.0~x"))
+        .prop_map(|(a, w, b, p)| format!("{a}{w}{b}{p}"))
+        .boxed();
     let mut runner = TestRunner::deterministic();
-    let cases = 12;
+    let cases = 48;
     for i in 0..cases {
+        let spelling = if i % 2 == 0 { &exact } else { &prefix };
         let one = spelling.new_tree(&mut runner).unwrap().current();
         let two = spelling.new_tree(&mut runner).unwrap().current();
         let key = format!("prop-{i}");
@@ -150,6 +195,12 @@ async fn spellings_that_normalize_to_one_path_get_one_execution_property() {
         let b = keyed(&c, &gw.url(&two), &h, "{}").await;
         assert_eq!((a.status, b.status), (201, 201), "{one} / {two}");
         assert!(b.replayed(), "{two} replays {one}");
+        let normal = if i % 2 == 0 {
+            "/webhooks/payments"
+        } else {
+            "/api/pay-in_v1.0~x"
+        };
+        assert_eq!(up.seen().last().unwrap().uri, normal, "{one}");
     }
     assert_eq!(
         up.executions(),
@@ -238,6 +289,66 @@ async fn a_header_scope_cannot_squat_a_fixed_scopes_key() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(scopes, ["fixed:webhooks", "header:webhooks"]);
+}
+
+/// A scope read from the body (`json:`) and one read from a header (`header:`) with the same
+/// value are two scopes: the same key under each is two requests.
+#[tokio::test]
+async fn a_json_scope_and_a_header_scope_with_the_same_value_do_not_share_a_key() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+{store}
+upstreams:
+  app: {{ url: "{up}", connect_timeout: 200ms, timeout: 5s }}
+routes:
+  - name: by-body
+    match: {{ path: /orders }}
+    upstream: app
+    idempotency:
+      scope: {{ json: /account }}
+  - name: by-header
+    match: {{ path_prefix: / }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+"#,
+        store = pg_store_block(&db),
+        up = up.url(),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let body = r#"{"account":"acme"}"#;
+    let json = [
+        ("idempotency-key", "k"),
+        ("content-type", "application/json"),
+    ];
+    let first = keyed(&c, &gw.url("/orders"), &json, body).await;
+    assert_eq!(first.status, 201);
+    let header = [
+        ("idempotency-key", "k"),
+        ("x-account-id", "acme"),
+        ("content-type", "application/json"),
+    ];
+    let other = keyed(&c, &gw.url("/orders/x"), &header, body).await;
+    assert_eq!(other.status, 201);
+    assert!(!other.replayed(), "another scope's key: forwarded");
+    assert!(keyed(&c, &gw.url("/orders"), &json, body).await.replayed());
+    assert_eq!(up.executions(), 2);
+    let scopes: Vec<String> = gw
+        .sql()
+        .await
+        .query("SELECT scope FROM idemgate_keys ORDER BY scope", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(scopes, ["header:acme", "json:acme"]);
 }
 
 #[tokio::test]
@@ -388,6 +499,170 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
     assert_eq!(up.executions(), ok);
     assert!(peak <= 1024 * 1024, "peak {peak} bytes");
     assert_eq!(gw.gateway.buffered_bytes(), 0, "every byte given back");
+}
+
+/// An HTTP/1.1 upstream on raw TCP that reads each request body slowly: after the head and
+/// a first few bytes of the body it stops reading until released, then reads the rest a few
+/// bytes at a time and answers `201 {}`. It counts the requests it saw (their heads) and how
+/// many bodies it is reading now.
+struct SlowReader {
+    addr: std::net::SocketAddr,
+    heads: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    reading: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: std::sync::Arc<tokio::sync::Semaphore>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl SlowReader {
+    async fn start() -> SlowReader {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (heads, reading) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let release = Arc::new(tokio::sync::Semaphore::new(0));
+        let (h, r, rel) = (heads.clone(), reading.clone(), release.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let (h, r, rel) = (h.clone(), r.clone(), rel.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut few = [0u8; 16];
+                    loop {
+                        // The head (read a few bytes at a time, never past its end by much).
+                        let end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            match conn.read(&mut few).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&few[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        buf.drain(..end);
+                        h.fetch_add(1, Ordering::SeqCst);
+                        r.fetch_add(1, Ordering::SeqCst);
+                        // Stalled until the test releases this body.
+                        rel.acquire().await.unwrap().forget();
+                        let mut chunk = [0u8; 512];
+                        while buf.len() < length {
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..length);
+                        r.fetch_sub(1, Ordering::SeqCst);
+                        let answer = "HTTP/1.1 201 Created\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                        if conn.write_all(answer.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        SlowReader {
+            addr,
+            heads,
+            reading,
+            release,
+            _task: task,
+        }
+    }
+
+    fn heads(&self) -> usize {
+        self.heads.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn reading(&self) -> usize {
+        self.reading.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// `max_buffered_bytes` in front of an upstream that reads bodies slowly: the bodies the
+/// gateway admitted stay buffered while the upstream reads them, and new requests past the
+/// budget are refused (503 `overloaded`, `Retry-After`), never forwarded; `/metrics` shows
+/// the gauge and the refusals by bound.
+#[tokio::test]
+async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes() {
+    let up = SlowReader::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, &format!("http://{}", up.addr), "").patch(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let body = "x".repeat(300 * 1024);
+    let url = gw.url("/webhooks/payments");
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let (c, url, body) = (client(), url.clone(), body.clone());
+            tokio::spawn(async move {
+                let key = format!("slow-{i}");
+                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+                send(&c, Method::POST, &url, &h, body).await
+            })
+        })
+        .collect();
+    // While the upstream reads nothing more, every request is either at the upstream or
+    // already answered by the gateway.
+    wait_until(
+        "every request is answered or at the stalled upstream",
+        Duration::from_secs(10),
+        || async { tasks.iter().filter(|t| t.is_finished()).count() + up.reading() == 8 },
+    )
+    .await;
+    // 1 MiB holds three 300 KiB bodies, not four.
+    assert_eq!(up.reading(), 3, "bodies admitted at once");
+    let admin = format!("http://{}/metrics", gw.admin);
+    let c = client();
+    let text =
+        String::from_utf8_lossy(&send(&c, Method::GET, &admin, &[], "").await.body).into_owned();
+    assert_eq!(
+        metric(&text, "idemgate_buffered_bytes "),
+        (3 * 300 * 1024) as f64,
+        "the gauge holds the three admitted bodies"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "idemgate_overloaded_total{upstream=\"app\",bound=\"max_buffered_bytes\"}"
+        ),
+        5.0
+    );
+    up.release.add_permits(8);
+    let mut ok = 0;
+    for t in tasks {
+        let r = t.await.unwrap();
+        match r.status {
+            201 => ok += 1,
+            503 => {
+                assert_eq!(r.problem(), "overloaded");
+                assert!(r.headers.contains_key("retry-after"));
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(ok, 3);
+    assert_eq!(up.heads(), 3, "no refused request was forwarded");
+    wait_until(
+        "every byte is given back",
+        Duration::from_secs(10),
+        || async {
+            let m = send(&c, Method::GET, &admin, &[], "").await;
+            metric(
+                &String::from_utf8_lossy(&m.body),
+                "idemgate_buffered_bytes ",
+            ) == 0.0
+        },
+    )
+    .await;
 }
 
 /// Routes are matched in file order, the first that fits wins, even where a later one is

@@ -260,6 +260,106 @@ async fn a_key_in_flight_under_a_live_lease_is_deleted_only_when_forced() {
     let _ = std::fs::remove_file(cfg);
 }
 
+/// `--force` on the command line deletes a key in flight under a live lease (exit 0), and
+/// a forced delete, from the command line or the admin API, is a warning in the log of the
+/// process that made it.
+#[tokio::test]
+async fn a_forced_delete_exits_0_and_is_logged_as_a_warning() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1500),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        "{}admin: {{ listen: 127.0.0.1:0 }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let gw = crate::support::process::GatewayProcess::start(&yaml).await;
+    let cli_busy = in_flight(&gw.url("/pay"), &up, "acct", "cli", "x").await;
+    let api_busy = in_flight(&gw.url("/pay"), &up, "acct", "api", "x").await;
+    let sql = sql(&db).await;
+    let row = |key: &'static str| {
+        let sql = &sql;
+        async move {
+            sql.query_opt(
+                "SELECT state FROM idemgate_keys WHERE scope = $1 AND key = $2",
+                &[&scoped("acct"), &key],
+            )
+            .await
+            .unwrap()
+            .map(|r| r.get::<_, String>(0))
+        }
+    };
+    assert_eq!(row("cli").await.as_deref(), Some("in_flight"));
+    let config = gw.config.clone();
+    let forced = tokio::task::spawn_blocking(move || {
+        idemgate(
+            &[
+                "keys", "delete", "--scope", "acct", "--key", "cli", "--force",
+            ],
+            &config,
+        )
+    })
+    .await
+    .unwrap();
+    assert_eq!(forced.0, 0, "{forced:?}");
+    assert_eq!(row("cli").await, None, "the key is gone");
+    let warned = |log: &str| {
+        log.lines()
+            .any(|l| l.contains("WARN") && l.contains("forced delete of a key in flight"))
+    };
+    assert!(warned(&forced.2), "the command's log: {forced:?}");
+    // Through the admin API the warning is in the gateway's log.
+    let admin_url = format!(
+        "http://{}/v1/keys?scope=acct&key=api&force=true",
+        gw.admin.expect("an admin listener")
+    );
+    let deleted = send(&client(), http::Method::DELETE, &admin_url, &[], "").await;
+    assert_eq!(deleted.status, 204);
+    assert_eq!(row("api").await, None);
+    wait_until(
+        "the gateway logs the forced delete",
+        Duration::from_secs(5),
+        || async { warned(&gw.log_text()) },
+    )
+    .await;
+    for busy in [cli_busy, api_busy] {
+        assert_eq!(
+            busy.await.unwrap().status,
+            201,
+            "the first attempts still answer"
+        );
+    }
+}
+
+/// A PostgreSQL backend stopped with SIGSTOP, continued (SIGCONT) when dropped, however the
+/// test ends.
+struct StoppedBackend(i32);
+
+impl StoppedBackend {
+    fn stop(pid: i32) -> StoppedBackend {
+        let sent = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(sent, "kill -STOP {pid} failed");
+        StoppedBackend(pid)
+    }
+}
+
+impl Drop for StoppedBackend {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.to_string()])
+            .status();
+    }
+}
+
+/// The delete's announcement cannot reach this instance (its listener's backend is
+/// stopped), so only the instance's own eviction keeps the deleted key out of its replay
+/// cache.
 #[tokio::test]
 async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
     let up = Upstream::start().await;
@@ -275,10 +375,26 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
         .trusted_cache()
         .map(|(c, _)| c.hits.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(hits, Some(1), "the second replay came from memory");
+    let listener: i32 = gw
+        .sql()
+        .await
+        .query_one(
+            "SELECT pid FROM pg_stat_activity
+              WHERE datname = current_database() AND application_name = $1",
+            &[&idemgate::store::pg_listener::APPLICATION_NAME],
+        )
+        .await
+        .expect("one listener session")
+        .get(0);
+    let stopped = StoppedBackend::stop(listener);
     let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
     assert_eq!(deleted.status, 204);
-    // At once, without waiting for the NOTIFY round trip.
+    assert!(
+        gw.store.wakeups().trusted_cache().is_some(),
+        "the cache is still trusted: nothing but the delete itself evicts the key"
+    );
     let after = post(&c, &gw, "a", "k", "x").await;
+    drop(stopped);
     assert!(!after.replayed(), "forwarded again right after the delete");
     assert_eq!(up.executions(), 2);
 }
