@@ -107,16 +107,30 @@ fn the_kubernetes_manifests_agree_with_the_config_they_mount() {
 
     // The shipped config draws no warning (a shutdown_grace shorter than a forward would).
     assert_eq!(config.warnings(), Vec::<String>::new());
-    // Everything that runs between the pod's removal and SIGKILL fits in the grace period:
-    // a preStop sleep if there is one, then drain_delay, then shutdown_grace.
-    let grace = seconds(&pod["terminationGracePeriodSeconds"]);
+    // A preStop hook holds SIGTERM back while the pod's endpoint removal propagates: the
+    // native sleep action, which needs nothing in the image (it has no shell).
     let sleep = &c["lifecycle"]["preStop"]["sleep"]["seconds"];
-    let pre_stop = if sleep.is_null() { 0 } else { seconds(sleep) };
+    assert!(
+        !sleep.is_null(),
+        "a preStop sleep hook: {:?}",
+        c["lifecycle"]
+    );
+    let pre_stop = seconds(sleep);
+    assert!(pre_stop > 0, "preStop sleeps {pre_stop}s");
+    assert!(
+        c["lifecycle"]["preStop"]["exec"].is_null(),
+        "no shell command: the image has no shell"
+    );
+    // Everything that runs between the pod's removal and SIGKILL fits in the grace period
+    // with a margin (the exit itself): the preStop sleep, then drain_delay, then
+    // shutdown_grace.
+    let grace = seconds(&pod["terminationGracePeriodSeconds"]);
     let drain = config.server.drain_delay.as_secs();
     let shutdown = config.server.shutdown_grace.as_secs();
+    const MARGIN: u64 = 5;
     assert!(
-        grace > pre_stop + drain + shutdown,
-        "terminationGracePeriodSeconds {grace} must exceed preStop {pre_stop}s + drain_delay {drain}s + shutdown_grace {shutdown}s"
+        grace >= pre_stop + drain + shutdown + MARGIN,
+        "terminationGracePeriodSeconds {grace} must be at least preStop {pre_stop}s + drain_delay {drain}s + shutdown_grace {shutdown}s + {MARGIN}s"
     );
     // The kubelet sees /readyz fail before the listener closes.
     let readiness = &c["readinessProbe"];

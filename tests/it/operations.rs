@@ -283,6 +283,91 @@ async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
     gw.kill();
 }
 
+/// The default text format into a file (the process's stderr is the test's log file, not a
+/// terminal): the access line is written, without a single ANSI escape.
+#[tokio::test]
+async fn text_logs_into_a_file_carry_the_access_line_and_no_ansi_colour() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let mut gw = GatewayProcess::start(&config_yaml(&db, &up.url(), "")).await;
+    let r = post_to(&client(), &gw.url("/pay"), "a", "k-text", "x").await;
+    assert_eq!(r.status, 201);
+    let id = r.headers["x-request-id"].to_str().unwrap().to_string();
+    wait_until(
+        "the access line is written",
+        Duration::from_secs(10),
+        || async { gw.log_text().contains(&id) },
+    )
+    .await;
+    let log = gw.log_text();
+    let line = log.lines().find(|l| l.contains(&id)).unwrap();
+    assert!(
+        line.contains("idemgate::access") && line.contains("forwarded"),
+        "a text access line: {line}"
+    );
+    assert!(
+        !log.contains('\u{1b}'),
+        "no ANSI escape in a log that is not a terminal:\n{log:?}"
+    );
+    gw.kill();
+}
+
+/// `idemgate keys show` and the key API print the `key_id` that the access line names the
+/// request's key by, so an operator can go from a log line to the row and back.
+#[tokio::test]
+async fn keys_show_and_the_key_api_print_the_key_id_of_the_access_line() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        "{}log: {{ format: json }}\nadmin: {{ listen: \"127.0.0.1:0\" }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let r = post_to(&client(), &gw.url("/pay"), "acct 7", "k/7", "x").await;
+    assert_eq!(r.status, 201);
+    let request_id = r.headers["x-request-id"].to_str().unwrap().to_string();
+    let needle = format!("\"request_id\":\"{request_id}\"");
+    wait_until(
+        "the access line is written",
+        Duration::from_secs(10),
+        || async { gw.log_text().contains(&needle) },
+    )
+    .await;
+    let log = gw.log_text();
+    let line: serde_json::Value =
+        serde_json::from_str(log.lines().find(|l| l.contains(&needle)).unwrap()).unwrap();
+    let logged = line["key"].as_str().unwrap().to_string();
+    assert_eq!(logged.len(), 32, "{line}");
+
+    let config = gw.config.clone();
+    let shown = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(crate::support::bin::idemgate())
+            .args(["keys", "show", "--config"])
+            .arg(&config)
+            .args(["--scope", "acct 7", "--key", "k/7"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(shown.status.success(), "{shown:?}");
+    let cli: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(cli["key_id"], logged.as_str(), "keys show: {cli}");
+
+    let admin = gw.admin.expect("an admin listener");
+    let api = send(
+        &client(),
+        Method::GET,
+        &format!("http://{admin}/v1/keys?scope=acct%207&key=k%2F7"),
+        &[],
+        "",
+    )
+    .await;
+    assert_eq!(api.status, 200, "{api:?}");
+    assert_eq!(api.json()["key_id"], logged.as_str(), "GET /v1/keys");
+    gw.kill();
+}
+
 #[tokio::test]
 async fn a_request_id_is_kept_or_made_forwarded_returned_and_in_problem_bodies() {
     let up = Upstream::start().await;

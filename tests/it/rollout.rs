@@ -1,8 +1,9 @@
 //! Rollout and shutdown (SPEC 8.3), on the real binary: `mode: observe` forwards everything,
 //! records first attempts as `enforce` would and counts what enforcing would have done; a
-//! switch to `enforce` replays what observe recorded. `server.drain_delay` fails `/readyz` at
-//! once and keeps serving new connections until the delay ends; `/readyz` stays 200 through
-//! a store outage once the store has been ready.
+//! switch to `enforce` replays what observe recorded. On SIGTERM or SIGINT,
+//! `server.drain_delay` fails `/readyz` at once and keeps serving new connections until the
+//! delay ends; a request in flight then still gets `shutdown_grace` and is recorded;
+//! `/readyz` stays 200 through a store outage once the store has been ready.
 
 use std::time::{Duration, Instant};
 
@@ -339,6 +340,151 @@ async fn sigterm_with_a_drain_delay_fails_readyz_at_once_and_serves_new_connecti
         state, "completed",
         "served during the drain, stored as usual"
     );
+}
+
+#[tokio::test]
+async fn sigint_drains_as_sigterm_does_readyz_fails_at_once_the_delay_serves_and_it_exits_0() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let delay = Duration::from_secs(2);
+    let yaml = with_admin(
+        config_yaml(&db, &up.url(), "")
+            .patch("shutdown_grace: 5s", "shutdown_grace: 5s, drain_delay: 2s"),
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
+    assert_eq!(admin_get(&admin, "/readyz").await.status, 200);
+
+    gw.interrupt();
+    let admin_url = admin.clone();
+    wait_until("/readyz answers 503", delay / 2, || async {
+        admin_get(&admin_url, "/readyz").await.status == 503
+    })
+    .await;
+    assert_eq!(
+        admin_get(&admin, "/readyz").await.json()["status"],
+        "draining"
+    );
+    // Still in the delay: a new connection is served and told not to keep the connection.
+    let plain = send(&client(), Method::GET, &gw.url("/plain"), &[], "").await;
+    assert_eq!(plain.status, 201, "{plain:?}");
+    assert_eq!(plain.headers["connection"], "close");
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "exit 0:\n{}",
+        gw.log_text()
+    );
+    assert!(gw.log_text().contains("SIGINT received"));
+}
+
+#[tokio::test]
+async fn a_keyed_request_in_flight_when_the_drain_delay_ends_completes_is_recorded_and_it_exits_0()
+{
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_secs(4),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "")
+        .patch("shutdown_grace: 5s", "shutdown_grace: 10s, drain_delay: 1s");
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let slow = in_flight(&gw.url("/pay"), &up, "a", "slow-drain", "x").await;
+    gw.terminate();
+
+    // The delay ends (the listener closes) while the upstream still works on it.
+    let addr = gw.addr;
+    wait_until(
+        "new connections are refused",
+        Duration::from_secs(10),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    assert_eq!(
+        up.answered(),
+        0,
+        "the request was still at the upstream when the delay ended"
+    );
+
+    // It completes within shutdown_grace, is recorded, and the process exits 0.
+    let first = slow.await.unwrap();
+    assert_eq!((first.status, first.replayed()), (201, false), "{first:?}");
+    assert!(
+        gw.wait_exit(Duration::from_secs(20)).await,
+        "exit 0:\n{}",
+        gw.log_text()
+    );
+    let state: String = sql(&db)
+        .await
+        .query_one(
+            "SELECT state FROM idemgate_keys WHERE key = 'slow-drain'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(state, "completed");
+
+    // A retry on the next process replays it: the upstream never runs it twice.
+    up.set(Behavior::default());
+    gw.restart().await;
+    let retry = send(
+        &client(),
+        Method::POST,
+        &gw.url("/pay"),
+        &[("idempotency-key", "slow-drain"), ("x-account-id", "a")],
+        "x",
+    )
+    .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(up.executions(), 1);
+    gw.kill();
+}
+
+/// Observe mode on a key whose first attempt left no answer to replay: held (outcome
+/// unknown under `on_unknown_outcome: hold`) or not replayable (too large to store).
+/// Enforcing would answer 502 without forwarding; observe forwards and counts both as
+/// `would_replay` (src/gateway.rs: enforcing would not have forwarded them).
+#[tokio::test]
+async fn observe_forwards_held_and_not_replayable_keys_and_counts_them_as_would_replay() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_secs(3),
+        ..Default::default()
+    })
+    .await;
+    let idem = "mode: observe\n      lease: 5s\n      on_unknown_outcome: hold\n      max_stored_response: 1KiB";
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, idem, |y| {
+        y.patch("timeout: 5s", "timeout: 500ms")
+    })
+    .await;
+    let c = client();
+    let timed_out = post(&c, &gw, "a", "held", "x").await;
+    assert_eq!(timed_out.status, 504, "{timed_out:?}");
+    assert_eq!(
+        row_state(&gw, "a", "held").await.as_deref(),
+        Some("unknown")
+    );
+    up.set(Behavior {
+        body: Some(bytes::Bytes::from(vec![b'z'; 5000])),
+        ..Default::default()
+    });
+    assert_eq!(post(&c, &gw, "a", "big", "x").await.status, 201);
+    assert_eq!(
+        row_state(&gw, "a", "big").await.as_deref(),
+        Some("not_replayable")
+    );
+
+    for key in ["held", "big"] {
+        let again = post(&c, &gw, "a", key, "x").await;
+        assert_eq!((again.status, again.replayed()), (201, false), "{key}");
+    }
+    assert_eq!(up.executions(), 4, "both duplicates were forwarded");
+    let m = admin_request(&gw, Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&m.body);
+    assert_eq!(observed(&text, "would_replay"), 2.0);
+    assert_eq!(observed(&text, "would_wait"), 0.0);
+    assert_eq!(observed(&text, "would_mismatch"), 0.0);
 }
 
 #[tokio::test]

@@ -45,13 +45,22 @@ impl GatewayProcess {
 
     /// Sends SIGHUP: reload the config file.
     pub fn hangup(&self) {
+        self.signal("-HUP");
+    }
+
+    /// Sends SIGINT (what Ctrl-C in a terminal sends).
+    pub fn interrupt(&self) {
+        self.signal("-INT");
+    }
+
+    fn signal(&self, which: &str) {
         let pid = self.pid().expect("running");
         let sent = std::process::Command::new("kill")
-            .args(["-HUP", &pid.to_string()])
+            .args([which, &pid.to_string()])
             .status()
             .unwrap()
             .success();
-        assert!(sent, "kill -HUP failed");
+        assert!(sent, "kill {which} failed");
     }
 
     /// Waits for the process to exit, returning whether it exited cleanly.
