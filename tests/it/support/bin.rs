@@ -34,7 +34,33 @@ fn build() -> PathBuf {
     if bin.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m == run) {
         return bin;
     }
-    let out = Command::new(env!("CARGO"))
+    let mut cargo = Command::new(env!("CARGO"));
+    // What cargo or nextest set for this test (the package's identity, `OUT_DIR`) is not the
+    // environment of a build: build scripts that watch such a variable (ring's watches
+    // `CARGO_MANIFEST_DIR`) would otherwise rebuild, and the next plain `cargo build
+    // --release` would rebuild them back.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_for_tests = [
+            "CARGO_PKG_",
+            "CARGO_MANIFEST_",
+            "CARGO_CRATE_",
+            "CARGO_BIN_",
+        ]
+        .iter()
+        .any(|p| name.starts_with(p))
+            || [
+                "CARGO_PRIMARY_PACKAGE",
+                "CARGO_TARGET_TMPDIR",
+                "CARGO_RUSTC_CURRENT_DIR",
+                "OUT_DIR",
+            ]
+            .contains(&name.as_ref());
+        if set_for_tests {
+            cargo.env_remove(name.as_ref());
+        }
+    }
+    let out = cargo
         .args(["build", "--release", "--bin", "idemgate", "--manifest-path"])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"))
         .arg("--target-dir")
