@@ -213,11 +213,6 @@ async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
     );
     let r = first.await.unwrap();
     assert!(r.is_err(), "no answer, certainly no 2xx: {r:?}");
-    let state: String = sql(&db)
-        .await
-        .query_one("SELECT state FROM idemgate_keys WHERE key = 'late'", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let state = key_state(&db, "late").await;
     assert_eq!(state, "in_flight", "never marked done");
 }

@@ -455,6 +455,32 @@ async fn clients_that_hang_up_still_hold_their_slot_until_the_forward_ends() {
     assert_eq!(up.executions(), 3);
 }
 
+/// The catch-all config in front of `upstream` with `server.max_buffered_bytes: 1MiB`.
+async fn gateway_with_a_1mib_budget(upstream: &str) -> TestGateway {
+    let db = pg::fresh_database().await;
+    let yaml = catch_all_yaml(&db, upstream, "").patch(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
+    );
+    TestGateway::start(&yaml, &db).await
+}
+
+/// Eight keyed POSTs of 300 KiB each (keys `{prefix}-0` to `{prefix}-7`), all at once.
+fn eight_300kib_keyed_posts(gw: &TestGateway, prefix: &str) -> Vec<tokio::task::JoinHandle<Reply>> {
+    let body = "x".repeat(300 * 1024);
+    let url = gw.url("/webhooks/payments");
+    (0..8)
+        .map(|i| {
+            let (c, url, body) = (client(), url.clone(), body.clone());
+            let key = format!("{prefix}-{i}");
+            tokio::spawn(async move {
+                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
+                send(&c, Method::POST, &url, &h, body).await
+            })
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_bytes() {
     let up = Upstream::start_with(Behavior {
@@ -462,24 +488,8 @@ async fn a_slow_upstream_cannot_make_the_gateway_buffer_more_than_max_buffered_b
         ..Default::default()
     })
     .await;
-    let db = pg::fresh_database().await;
-    let yaml = catch_all_yaml(&db, &up.url(), "").patch(
-        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
-        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
-    );
-    let gw = TestGateway::start(&yaml, &db).await;
-    let body = "x".repeat(300 * 1024);
-    let url = gw.url("/webhooks/payments");
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let (c, url, body) = (client(), url.clone(), body.clone());
-            tokio::spawn(async move {
-                let key = format!("big-{i}");
-                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
-                send(&c, Method::POST, &url, &h, body).await
-            })
-        })
-        .collect();
+    let gw = gateway_with_a_1mib_budget(&up.url()).await;
+    let tasks = eight_300kib_keyed_posts(&gw, "big");
     let mut peak = 0;
     while tasks.iter().any(|t| !t.is_finished()) {
         peak = peak.max(gw.gateway.buffered_bytes());
@@ -592,24 +602,8 @@ impl SlowReader {
 #[tokio::test]
 async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes() {
     let up = SlowReader::start().await;
-    let db = pg::fresh_database().await;
-    let yaml = catch_all_yaml(&db, &format!("http://{}", up.addr), "").patch(
-        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
-        "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_buffered_bytes: 1MiB }",
-    );
-    let gw = TestGateway::start(&yaml, &db).await;
-    let body = "x".repeat(300 * 1024);
-    let url = gw.url("/webhooks/payments");
-    let tasks: Vec<_> = (0..8)
-        .map(|i| {
-            let (c, url, body) = (client(), url.clone(), body.clone());
-            tokio::spawn(async move {
-                let key = format!("slow-{i}");
-                let h = [("idempotency-key", key.as_str()), ("x-account-id", "a")];
-                send(&c, Method::POST, &url, &h, body).await
-            })
-        })
-        .collect();
+    let gw = gateway_with_a_1mib_budget(&format!("http://{}", up.addr)).await;
+    let tasks = eight_300kib_keyed_posts(&gw, "slow");
     // While the upstream reads nothing more, every request is either at the upstream or
     // already answered by the gateway.
     wait_until(

@@ -327,15 +327,7 @@ async fn sigterm_with_a_drain_delay_fails_readyz_at_once_and_serves_new_connecti
         "exit 0:\n{}",
         gw.log_text()
     );
-    let state: String = sql(&db)
-        .await
-        .query_one(
-            "SELECT state FROM idemgate_keys WHERE key = 'during-drain'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let state = key_state(&db, "during-drain").await;
     assert_eq!(
         state, "completed",
         "served during the drain, stored as usual"
@@ -414,15 +406,7 @@ async fn a_keyed_request_in_flight_when_the_drain_delay_ends_completes_is_record
         "exit 0:\n{}",
         gw.log_text()
     );
-    let state: String = sql(&db)
-        .await
-        .query_one(
-            "SELECT state FROM idemgate_keys WHERE key = 'slow-drain'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let state = key_state(&db, "slow-drain").await;
     assert_eq!(state, "completed");
 
     // A retry on the next process replays it: the upstream never runs it twice.

@@ -410,6 +410,16 @@ pub async fn sql(url: &str) -> tokio_postgres::Client {
     client
 }
 
+/// The stored state of the key named `key` (any scope); panics when there is no such row.
+pub async fn key_state(db: &str, key: &str) -> String {
+    sql(db)
+        .await
+        .query_one("SELECT state FROM idemgate_keys WHERE key = $1", &[&key])
+        .await
+        .unwrap_or_else(|e| panic!("the row of key {key}: {e}"))
+        .get(0)
+}
+
 /// What a client received.
 #[derive(Debug, Clone)]
 pub struct Reply {
