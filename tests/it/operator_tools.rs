@@ -333,30 +333,6 @@ async fn a_forced_delete_exits_0_and_is_logged_as_a_warning() {
     }
 }
 
-/// A PostgreSQL backend stopped with SIGSTOP, continued (SIGCONT) when dropped, however the
-/// test ends.
-struct StoppedBackend(i32);
-
-impl StoppedBackend {
-    fn stop(pid: i32) -> StoppedBackend {
-        let sent = Command::new("kill")
-            .args(["-STOP", &pid.to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(sent, "kill -STOP {pid} failed");
-        StoppedBackend(pid)
-    }
-}
-
-impl Drop for StoppedBackend {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.0.to_string()])
-            .status();
-    }
-}
-
 /// The delete's announcement cannot reach this instance (its listener's backend is
 /// stopped), so only the instance's own eviction keeps the deleted key out of its replay
 /// cache.
@@ -386,7 +362,7 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
         .await
         .expect("one listener session")
         .get(0);
-    let stopped = StoppedBackend::stop(listener);
+    let stopped = pg::Stopped::stop(&[listener]);
     let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
     assert_eq!(deleted.status, 204);
     assert!(

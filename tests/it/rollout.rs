@@ -181,6 +181,56 @@ async fn chunked_post(gw: &GatewayProcess, key: &str, chunks: usize) -> String {
     String::from_utf8_lossy(&out).to_string()
 }
 
+/// A store that hangs (every PostgreSQL process stopped: connections open, nothing answers)
+/// rather than refusing: an observed route still forwards every keyed request once the
+/// store's bound passes, and claims again once the store answers.
+#[tokio::test]
+async fn observe_forwards_when_the_store_hangs_instead_of_refusing() {
+    let cluster = pg::Cluster::start_async().await;
+    let db = cluster.new_database().await;
+    let up = Upstream::start().await;
+    let yaml = with_admin(config_yaml(&db, &up.url(), "mode: observe"));
+    let gw = GatewayProcess::start(&yaml).await;
+    let admin = admin_of(&gw);
+    let c = client();
+    let url = gw.url("/pay");
+    assert_eq!(post_to(&c, &url, "a", "before", "x").await.status, 201);
+    assert_eq!(key_state(&db, "before").await, "completed");
+
+    let frozen = cluster.frozen();
+    for i in 0..3 {
+        let r = post_to(&c, &url, "a", &format!("hung-{i}"), "x").await;
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    assert_eq!(up.executions(), 4, "each forwarded once");
+    assert_eq!(requests(&metrics(&admin).await, "bypassed"), 3.0);
+    drop(frozen);
+
+    // The store answers again: keys are claimed and recorded again.
+    wait_until(
+        "a new key is recorded again",
+        Duration::from_secs(20),
+        || async {
+            let key = format!("after-{}", up.executions());
+            post_to(&c, &url, "a", &key, "x").await.status == 201
+                && sql(&db)
+                    .await
+                    .query_opt(
+                        "SELECT 1 FROM idemgate_keys WHERE key = $1 AND state = 'completed'",
+                        &[&key],
+                    )
+                    .await
+                    .is_ok_and(|row| row.is_some())
+        },
+    )
+    .await;
+    let log = gw.log_text();
+    assert!(
+        log.contains("observe: the store cannot claim; forwarded without idempotency"),
+        "{log}"
+    );
+}
+
 #[tokio::test]
 async fn observe_never_blocks_a_request_it_cannot_key_an_oversized_body_or_store_trouble() {
     let cluster = pg::Cluster::start_async().await;

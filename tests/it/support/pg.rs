@@ -237,6 +237,26 @@ impl Cluster {
             .ok()
     }
 
+    /// Freezes the server, like a host that stops answering without closing anything: the
+    /// postmaster and every process it started get SIGSTOP (connections stay open, statements
+    /// and connects hang) until the returned guard is dropped.
+    #[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+    pub fn frozen(&self) -> Stopped {
+        let postmaster = self.postmaster_pid().expect("own cluster, running") as i32;
+        let children = Command::new("pgrep")
+            .args(["-P", &postmaster.to_string()])
+            .output()
+            .expect("pgrep");
+        let mut pids = vec![postmaster];
+        pids.extend(
+            String::from_utf8_lossy(&children.stdout)
+                .lines()
+                .filter_map(|l| l.trim().parse::<i32>().ok()),
+        );
+        assert!(pids.len() > 1, "the postmaster has no children to freeze");
+        Stopped::stop(&pids)
+    }
+
     /// Stops the server at once, like a crash (`pg_ctl -m immediate stop`).
     pub fn pg_stop_immediate(&self) {
         let dir = self.dir.as_ref().expect("own cluster");
@@ -333,4 +353,35 @@ pub async fn fresh_database() -> String {
         .await
         .expect("starting the shared cluster");
     cluster.new_database().await
+}
+
+/// Processes stopped with SIGSTOP, continued (SIGCONT) when dropped, however the test ends.
+#[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+pub struct Stopped(Vec<i32>);
+
+impl Stopped {
+    #[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+    pub fn stop(pids: &[i32]) -> Stopped {
+        // Built first, so that whatever was stopped is continued even if a later kill fails.
+        let stopped = Stopped(pids.to_vec());
+        for pid in pids {
+            let sent = Command::new("kill")
+                .args(["-STOP", &pid.to_string()])
+                .status()
+                .expect("kill")
+                .success();
+            assert!(sent, "kill -STOP {pid} failed");
+        }
+        stopped
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        for pid in &self.0 {
+            let _ = Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+        }
+    }
 }
