@@ -238,7 +238,20 @@ struct H2Seen {
 /// A gRPC-like server speaking h2c only (or HTTP/1.1 only): it answers each call with its
 /// request body, framed as `application/grpc`, streamed, then `grpc-status`/`grpc-message`
 /// trailers (announced in a `Trailer` header, as HTTP/1.1 needs).
-async fn grpc_like_upstream(h2: bool) -> (SocketAddr, Arc<Mutex<Vec<H2Seen>>>) {
+/// How [`grpc_like_upstream`] speaks.
+enum Speaks {
+    Http1,
+    H2c,
+    /// TLS with this config; HTTP/2 when ALPN picked `h2`, else HTTP/1.1.
+    Tls(Arc<rustls::ServerConfig>),
+}
+
+async fn grpc_like_upstream(speaks: Speaks) -> (SocketAddr, Arc<Mutex<Vec<H2Seen>>>) {
+    let tls = match &speaks {
+        Speaks::Tls(config) => Some(tokio_rustls::TlsAcceptor::from(Arc::clone(config))),
+        _ => None,
+    };
+    let h2c = matches!(speaks, Speaks::H2c);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -275,8 +288,28 @@ async fn grpc_like_upstream(h2: bool) -> (SocketAddr, Arc<Mutex<Vec<H2Seen>>>) {
                     )
                 }
             });
+            if let Some(tls) = &tls {
+                let tls = tls.clone();
+                tokio::spawn(async move {
+                    let Ok(stream) = tls.accept(stream).await else {
+                        return;
+                    };
+                    let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                    let io = TokioIo::new(stream);
+                    if h2 {
+                        let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                            .serve_connection(io, svc)
+                            .await;
+                    } else {
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(io, svc)
+                            .await;
+                    }
+                });
+                continue;
+            }
             let io = TokioIo::new(stream);
-            if h2 {
+            if h2c {
                 tokio::spawn(
                     hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .serve_connection(io, svc),
@@ -291,15 +324,59 @@ async fn grpc_like_upstream(h2: bool) -> (SocketAddr, Arc<Mutex<Vec<H2Seen>>>) {
 
 #[tokio::test]
 async fn grpc_over_h2c_on_a_plain_route_passes_body_and_trailers_and_preserves_the_host() {
-    let (up, seen) = grpc_like_upstream(true).await;
+    let (up, seen) = grpc_like_upstream(Speaks::H2c).await;
     let db = pg::fresh_database().await;
     let yaml = config_yaml(&db, &format!("http://{up}"), "").patch(
         "timeout: 5s }",
         "timeout: 5s, http2: true, preserve_host: true }",
     );
     let gw = TestGateway::start(&yaml, &db).await;
+    let message = grpc_call_through(&gw).await;
 
-    // An h2c client (prior knowledge) that names a virtual host the gateway serves.
+    let seen = seen.lock().unwrap()[0].clone();
+    assert_eq!(seen.version, Version::HTTP_2, "h2c to the upstream");
+    assert_eq!(seen.body, message);
+    assert_eq!(
+        seen.uri, "http://grpc.example:8443/echo.Echo/Say",
+        "preserve_host: the client's authority is the :authority sent on"
+    );
+    assert_eq!(
+        seen.headers["te"], "trailers",
+        "TE: trailers is kept for gRPC"
+    );
+    assert_eq!(seen.headers["x-forwarded-host"], "grpc.example:8443");
+    assert_eq!(
+        seen.headers["forwarded"],
+        "for=127.0.0.1;proto=http;host=\"grpc.example:8443\""
+    );
+}
+
+/// The same call to an `https` upstream with `http2: true`: h2 chosen by ALPN, and the
+/// trailers come back over it.
+#[tokio::test]
+async fn grpc_over_https_with_alpn_h2_passes_body_and_trailers() {
+    let pki = TestPki::new();
+    let (up, seen) = grpc_like_upstream(Speaks::Tls(pki.server_config())).await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &format!("https://localhost:{}", up.port()), "").patch(
+        "timeout: 5s }",
+        &format!(
+            "timeout: 5s, http2: true, tls: {{ ca: \"{}\" }} }}",
+            pki.ca.display()
+        ),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let message = grpc_call_through(&gw).await;
+    let seen = seen.lock().unwrap()[0].clone();
+    assert_eq!(seen.version, Version::HTTP_2, "h2 by ALPN to the upstream");
+    assert_eq!(seen.body, message);
+    assert_eq!(seen.headers["te"], "trailers");
+}
+
+/// A gRPC-shaped call (h2c with prior knowledge, `TE: trailers`, a 5-byte message) through
+/// the gateway's plain route; asserts the answer, its body and its trailers, and returns the
+/// message sent.
+async fn grpc_call_through(gw: &TestGateway) -> Bytes {
     let stream = TcpStream::connect(gw.addr).await.unwrap();
     let (mut sender, conn) =
         hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
@@ -330,28 +407,12 @@ async fn grpc_over_h2c_on_a_plain_route_passes_body_and_trailers_and_preserves_t
     assert_eq!(collected.to_bytes(), message);
     assert_eq!(trailers["grpc-status"], "0");
     assert_eq!(trailers["grpc-message"], "echoed");
-
-    let seen = seen.lock().unwrap()[0].clone();
-    assert_eq!(seen.version, Version::HTTP_2, "h2c to the upstream");
-    assert_eq!(seen.body, message);
-    assert_eq!(
-        seen.uri, "http://grpc.example:8443/echo.Echo/Say",
-        "preserve_host: the client's authority is the :authority sent on"
-    );
-    assert_eq!(
-        seen.headers["te"], "trailers",
-        "TE: trailers is kept for gRPC"
-    );
-    assert_eq!(seen.headers["x-forwarded-host"], "grpc.example:8443");
-    assert_eq!(
-        seen.headers["forwarded"],
-        "for=127.0.0.1;proto=http;host=\"grpc.example:8443\""
-    );
+    message
 }
 
 #[tokio::test]
 async fn an_http1_client_that_accepts_trailers_gets_those_an_http1_upstream_announces() {
-    let (up, seen) = grpc_like_upstream(false).await;
+    let (up, seen) = grpc_like_upstream(Speaks::Http1).await;
     let db = pg::fresh_database().await;
     let gw = TestGateway::start(&config_yaml(&db, &format!("http://{up}"), ""), &db).await;
     let req = Request::builder()
