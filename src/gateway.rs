@@ -878,7 +878,7 @@ async fn proxy(
     admission: Admission,
 ) -> Result<Response<Body>, GatewayError> {
     let started = Instant::now();
-    let sent = upstream.send(req).await;
+    let sent = upstream.send_streamed(req).await;
     log.upstream = Some(started.elapsed());
     Ok(passed_on(sent.map_err(upstream_failure)?, admission))
 }
@@ -899,7 +899,7 @@ async fn tunnel(
     log.upstream = Some(started.elapsed());
     let mut resp = sent.map_err(upstream_failure)?;
     if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-        return Ok(passed_on(resp, hold.0));
+        return Ok(passed_on(resp.map(stream), hold.0));
     }
     let on_upstream = hyper::upgrade::on(&mut resp);
     let (mut parts, _empty) = resp.into_parts();
@@ -911,11 +911,11 @@ async fn tunnel(
 
 /// An upstream's answer streamed back to the client, its headers cleaned; the admission is
 /// held by the body until it has been passed on (or dropped). Trailers pass too.
-fn passed_on(resp: Response<Incoming>, admission: Admission) -> Response<Body> {
+fn passed_on(resp: Response<Body>, admission: Admission) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
     clean_response_headers(&mut parts.headers);
     let body = Admitted {
-        body: stream(body),
+        body,
         _admission: admission,
     };
     Response::from_parts(parts, body.boxed_unsync())

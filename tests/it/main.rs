@@ -30,4 +30,5 @@ mod store_claim;
 mod store_outage;
 mod support;
 mod tls;
+mod upstream_connections;
 mod upstream_faults;

@@ -1,4 +1,4 @@
-//! The upstream side: one pooled keep-alive client per upstream, header hygiene, timeouts.
+//! The upstream side: keep-alive connections per upstream, header hygiene, timeouts.
 //!
 //! Outbound requests lose their hop-by-hop headers (RFC 9110 section 7.6.1: the fixed list
 //! and every header named in `Connection`) and their `Host` (the client sets the upstream's
@@ -10,7 +10,9 @@
 //!
 //! Each upstream speaks HTTP/1.1, or with `http2: true` HTTP/2 (h2c by prior knowledge for
 //! `http://`, ALPN `h2` then `http/1.1` for `https://`). Its connections always go to its
-//! configured `url` ([`Pinned`]), whatever authority a request names.
+//! configured `url` ([`Pinned`]), whatever authority a request names. Plain forwards to a
+//! plain `http://` HTTP/1.1 upstream go over connections driven by the request's own task
+//! (`h1.rs`); keyed forwards, upgrades, h2 and TLS go over hyper-util's pooled client.
 //!
 //! Failures are classified by what they mean for the key: [`UpstreamError::Connect`] means
 //! the request never left (safe to release), [`UpstreamError::Timeout`] and
@@ -33,6 +35,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
+
+mod h1;
 
 /// Boxed error for bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -97,6 +101,9 @@ pub struct Upstreams {
 pub struct UpstreamClient {
     pub config: UpstreamConfig,
     client: Client<Pinned, Body>,
+    /// Plain forwards to a plain `http://` HTTP/1.1 upstream, without the pooled client's
+    /// connection tasks (`forward/h1.rs`).
+    direct: Option<std::sync::Arc<h1::Pool>>,
     /// `max_in_flight`: shared with the clients a reload builds for the same upstream name.
     pub limit: std::sync::Arc<crate::limits::UpstreamLimit>,
 }
@@ -152,6 +159,7 @@ impl Upstreams {
                     UpstreamClient {
                         config: cfg.clone(),
                         client,
+                        direct: h1::Pool::for_upstream(cfg),
                         limit: limit(cfg),
                     },
                 )
@@ -377,6 +385,15 @@ impl UpstreamClient {
         parts.authority = authority.or_else(|| base.authority().cloned());
         parts.path_and_query = Some(path_and_query);
         Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
+    }
+
+    /// Sends a plain forward and waits for the response head (bounded by the upstream's
+    /// `timeout`); the body streams. Over the direct HTTP/1.1 pool when the upstream has one.
+    pub async fn send_streamed(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
+        match &self.direct {
+            Some(pool) if req.method() != http::Method::CONNECT => pool.send(req).await,
+            _ => Ok(self.send(req).await?.map(stream)),
+        }
     }
 
     /// Sends a request and waits for the response head, bounded by the upstream's `timeout`.

@@ -1,0 +1,359 @@
+//! HTTP/1.1 to a plain `http://` upstream, each connection driven by the task that uses it.
+//!
+//! hyper-util's pooled client runs every upstream connection in a task of its own: a request
+//! is handed to that task through a channel, and the response head and each body chunk come
+//! back through more channels, so one plain forward costs several task wake-ups on top of the
+//! I/O. Here the request's own task polls the connection while it waits for the response head,
+//! and the response body polls it while the client reads the body, as an nginx worker drives
+//! its upstream connection: no hand-off. Measured on the plain hop (BENCHMARKS.md): about
+//! a fifth less gateway CPU per request.
+//!
+//! Used by plain forwards (`gateway::proxy`) to `http://` upstreams without `http2`; keyed
+//! forwards, upgrades, h2 and TLS upstreams keep the pooled client (`mod.rs`).
+//!
+//! Invariants:
+//! - A connection is idle (in the pool) only between exchanges: after its response body was
+//!   read to its end and the connection stayed open. A body dropped before its end (a client
+//!   that hung up) drops its connection; it is never reused mid-message.
+//! - An idle connection is polled once when taken: one the upstream closed (or sent anything
+//!   unasked on) is dropped, never used.
+//! - A request that could not be written on a taken connection (it closed in between) is sent
+//!   once on a new connection; a request of which anything was written is never sent again.
+//! - The connect is bounded by `connect_timeout`, and the whole exchange up to the response
+//!   head, connect included, by the upstream's `timeout`.
+//! - At most [`MAX_IDLE`] connections wait in a pool; one idle for [`IDLE_TIMEOUT`] is closed
+//!   when found, and a reaper closes them when nobody comes (so sockets the upstream closed
+//!   do not linger).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, Uri};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::{Connection, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use super::{Body, BoxError, UpstreamError, error_chain};
+use crate::config::UpstreamConfig;
+
+/// Idle connections kept per upstream.
+pub const MAX_IDLE: usize = 512;
+/// An idle connection older than this is closed instead of used.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+type Conn = Connection<TokioIo<TcpStream>, Body>;
+
+struct Idle {
+    tx: SendRequest<Body>,
+    conn: Conn,
+    since: Instant,
+}
+
+/// The idle connections to one upstream.
+pub struct Pool {
+    /// `host:port` to connect to (the upstream's URL, port 80 by default).
+    addr: String,
+    connect_timeout: Duration,
+    timeout: Duration,
+    /// Oldest first; taken from the end.
+    idle: Mutex<Vec<Idle>>,
+    reaper: Mutex<bool>,
+}
+
+impl Pool {
+    /// A pool for `cfg`, or `None` when its connections are not plain HTTP/1.1.
+    pub fn for_upstream(cfg: &UpstreamConfig) -> Option<Arc<Pool>> {
+        if cfg.url.scheme() != Some(&http::uri::Scheme::HTTP) || cfg.http2 {
+            return None;
+        }
+        let host = cfg.url.host()?;
+        let port = cfg.url.port_u16().unwrap_or(80);
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let addr = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Some(Arc::new(Pool {
+            addr,
+            connect_timeout: cfg.connect_timeout,
+            timeout: cfg.timeout,
+            idle: Mutex::new(Vec::new()),
+            reaper: Mutex::new(false),
+        }))
+    }
+
+    /// Sends `req` (absolute-form URI, as `UpstreamClient::prepare` builds it) and returns the
+    /// response; its body drives the connection and gives it back at its end.
+    pub async fn send(
+        self: &Arc<Pool>,
+        req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let req = origin_form(req);
+        match tokio::time::timeout(self.timeout, self.exchange(req)).await {
+            Err(_) => Err(UpstreamError::Timeout),
+            Ok(r) => r,
+        }
+    }
+
+    async fn exchange(
+        self: &Arc<Pool>,
+        req: Request<Body>,
+    ) -> Result<Response<Body>, UpstreamError> {
+        let (req, reused) = match self.take_idle().await {
+            Some(idle) => match drive(idle.tx, idle.conn, req).await {
+                Ok(driven) => return Ok(self.respond(driven)),
+                // Not written: the connection closed before it; once more on a new one.
+                Err(Unsent(req)) => (*req, true),
+                Err(Failed(e)) => return Err(e),
+            },
+            None => (req, false),
+        };
+        let (tx, conn) = self.connect().await?;
+        match drive(tx, conn, req).await {
+            Ok(driven) => Ok(self.respond(driven)),
+            Err(Unsent(_)) => Err(UpstreamError::Failed(format!(
+                "the upstream closed a new connection before the request was written{}",
+                if reused {
+                    " (and a reused one before it)"
+                } else {
+                    ""
+                }
+            ))),
+            Err(Failed(e)) => Err(e),
+        }
+    }
+
+    async fn connect(&self) -> Result<(SendRequest<Body>, Conn), UpstreamError> {
+        let stream = match tokio::time::timeout(
+            self.connect_timeout,
+            TcpStream::connect(&self.addr),
+        )
+        .await
+        {
+            Err(_) => {
+                return Err(UpstreamError::Connect(format!(
+                    "connect to {} timed out after {:?}",
+                    self.addr, self.connect_timeout
+                )));
+            }
+            Ok(Err(e)) => {
+                return Err(UpstreamError::Connect(format!(
+                    "connect to {}: {e}",
+                    self.addr
+                )));
+            }
+            Ok(Ok(s)) => s,
+        };
+        let _ = stream.set_nodelay(true);
+        hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| UpstreamError::Connect(error_chain(&e)))
+    }
+
+    /// The most recently used idle connection that is still open and ready.
+    async fn take_idle(&self) -> Option<Idle> {
+        loop {
+            let mut idle = {
+                let mut list = self.idle.lock().expect("pool lock");
+                let idle = list.pop()?;
+                if idle.since.elapsed() >= IDLE_TIMEOUT {
+                    // The rest are older still.
+                    list.clear();
+                    return None;
+                }
+                idle
+            };
+            if std::future::poll_fn(|cx| Poll::Ready(ready(&mut idle, cx))).await {
+                return Some(idle);
+            }
+        }
+    }
+
+    fn respond(self: &Arc<Pool>, driven: Exchange) -> Response<Body> {
+        let (parts, body) = driven.resp.into_parts();
+        let body = Driven {
+            // An empty body (204, 304, HEAD) may never be polled: it has ended already.
+            ended: hyper::body::Body::is_end_stream(&body),
+            body,
+            conn: driven.conn,
+            pool: Arc::downgrade(self),
+        };
+        Response::from_parts(parts, body.boxed_unsync())
+    }
+
+    fn give_back(self: &Arc<Pool>, tx: SendRequest<Body>, conn: Conn) {
+        let start_reaper = {
+            let mut list = self.idle.lock().expect("pool lock");
+            if list.len() >= MAX_IDLE {
+                list.remove(0);
+            }
+            list.push(Idle {
+                tx,
+                conn,
+                since: Instant::now(),
+            });
+            let mut started = self.reaper.lock().expect("reaper lock");
+            !std::mem::replace(&mut *started, true)
+        };
+        if start_reaper && let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(reap(Arc::downgrade(self)));
+        }
+    }
+}
+
+/// Whether an idle connection can take a request now: polling it lets it notice a close (or
+/// bytes nobody asked for, which close it too).
+fn ready(idle: &mut Idle, cx: &mut Context<'_>) -> bool {
+    if Pin::new(&mut idle.conn).poll(cx).is_ready() {
+        return false;
+    }
+    matches!(idle.tx.poll_ready(cx), Poll::Ready(Ok(())))
+}
+
+/// Every half of [`IDLE_TIMEOUT`], closes the idle connections that are too old or that the
+/// upstream closed; ends with its pool.
+async fn reap(pool: Weak<Pool>) {
+    let waker = std::task::Waker::noop();
+    loop {
+        tokio::time::sleep(IDLE_TIMEOUT / 2).await;
+        let Some(pool) = pool.upgrade() else {
+            return;
+        };
+        let mut cx = Context::from_waker(waker);
+        pool.idle
+            .lock()
+            .expect("pool lock")
+            .retain_mut(|idle| idle.since.elapsed() < IDLE_TIMEOUT && ready(idle, &mut cx));
+    }
+}
+
+/// What the legacy client did to an absolute-form request before writing it on HTTP/1.1:
+/// origin-form URI, and `Host` from the authority (without the scheme's default port) unless
+/// one is set.
+fn origin_form(mut req: Request<Body>) -> Request<Body> {
+    let uri = req.uri().clone();
+    if let Some(host) = uri.host()
+        && !req.headers().contains_key(header::HOST)
+    {
+        let value = match uri.port_u16() {
+            Some(port) if port != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
+            _ => HeaderValue::from_str(host),
+        };
+        if let Ok(v) = value {
+            req.headers_mut().insert(header::HOST, v);
+        }
+    }
+    let path = match uri.path_and_query() {
+        Some(pq) if !pq.as_str().is_empty() => pq.clone(),
+        _ => http::uri::PathAndQuery::from_static("/"),
+    };
+    *req.uri_mut() = Uri::from(path);
+    req
+}
+
+struct Exchange {
+    resp: Response<Incoming>,
+    /// `None` when the connection ended with the response head.
+    conn: Option<(SendRequest<Body>, Conn)>,
+}
+
+enum DriveError {
+    /// Nothing of the request was written; here it is back.
+    Unsent(Box<Request<Body>>),
+    Failed(UpstreamError),
+}
+use DriveError::{Failed, Unsent};
+
+/// Writes `req` on the connection and polls it here until the response head arrives.
+async fn drive(
+    mut tx: SendRequest<Body>,
+    conn: Conn,
+    req: Request<Body>,
+) -> Result<Exchange, DriveError> {
+    let mut sent = std::pin::pin!(tx.try_send_request(req));
+    let mut conn = Some(conn);
+    let result = std::future::poll_fn(|cx| {
+        if let Some(c) = conn.as_mut()
+            && Pin::new(c).poll(cx).is_ready()
+        {
+            // Ended: dropping it answers a request it did not finish (with the request
+            // itself when none of it was written), instead of leaving it waiting.
+            conn = None;
+        }
+        sent.as_mut().poll(cx)
+    })
+    .await;
+    match result {
+        Ok(resp) => Ok(Exchange {
+            resp,
+            conn: conn.map(|c| (tx, c)),
+        }),
+        Err(mut e) => match e.take_message() {
+            Some(req) => Err(Unsent(Box::new(req))),
+            None => Err(Failed(UpstreamError::Failed(error_chain(&e.into_error())))),
+        },
+    }
+}
+
+/// A response body that polls its connection as it is read, and gives the connection back
+/// to its pool once read to its end.
+struct Driven {
+    body: Incoming,
+    conn: Option<(SendRequest<Body>, Conn)>,
+    ended: bool,
+    pool: Weak<Pool>,
+}
+
+impl hyper::body::Body for Driven {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        if let Some((_, conn)) = this.conn.as_mut()
+            && Pin::new(conn).poll(cx).is_ready()
+        {
+            // Closed (after a close-delimited body, or on an error the body reports).
+            this.conn = None;
+        }
+        let polled = Pin::new(&mut this.body).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(Some(Ok(_))) if this.body.is_end_stream() => this.ended = true,
+            Poll::Ready(Some(Err(_))) => this.conn = None,
+            _ => {}
+        }
+        polled.map(|frame| frame.map(|r| r.map_err(|e| Box::new(e) as BoxError)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for Driven {
+    fn drop(&mut self) {
+        if self.ended
+            && let Some((tx, conn)) = self.conn.take()
+            && let Some(pool) = self.pool.upgrade()
+        {
+            pool.give_back(tx, conn);
+        }
+    }
+}

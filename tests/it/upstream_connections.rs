@@ -1,0 +1,259 @@
+//! Plain forwards to an `http://` HTTP/1.1 upstream over the gateway's own connection pool
+//! (`forward/h1.rs`): connections are reused, one the upstream closed is never used (a new one
+//! is made, the request runs once), one whose response body was not read to its end is never
+//! reused, and `Connection: close` is honoured. The upstream is a raw TCP server that counts
+//! the connections it accepted and the requests it answered.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::Method;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+use crate::support::*;
+
+/// How the raw upstream ends each exchange.
+#[derive(Clone, Copy, PartialEq)]
+enum Ending {
+    /// Keep the connection open.
+    KeepAlive,
+    /// Close the socket 100 ms after the response, without saying so (as an upstream whose
+    /// keep-alive timeout fires does): by then the gateway holds the connection idle.
+    SilentClose,
+    /// Say `Connection: close`, then close.
+    ConnectionClose,
+    /// A 1 MiB body written slowly, then keep the connection open.
+    SlowBigBody,
+}
+
+struct RawUpstream {
+    addr: std::net::SocketAddr,
+    connections: Arc<AtomicUsize>,
+    answered: Arc<AtomicUsize>,
+    closed: Arc<AtomicUsize>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl RawUpstream {
+    async fn start(ending: Ending) -> RawUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let answered = Arc::new(AtomicUsize::new(0));
+        let closed = Arc::new(AtomicUsize::new(0));
+        let (conns, ans, cl) = (connections.clone(), answered.clone(), closed.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                conns.fetch_add(1, Ordering::SeqCst);
+                let (ans, cl) = (ans.clone(), cl.clone());
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        let end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => {
+                                    cl.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        while buf.len() < end + length {
+                            match conn.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        buf.drain(..end + length);
+                        let n = ans.fetch_add(1, Ordering::SeqCst) + 1;
+                        let body = format!("{{\"execution\":{n}}}");
+                        let wrote = match ending {
+                            Ending::SlowBigBody => {
+                                let size = 1 << 20;
+                                let head =
+                                    format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
+                                let mut ok = conn.write_all(head.as_bytes()).await.is_ok();
+                                let piece = vec![b'x'; 16 * 1024];
+                                for _ in 0..size / piece.len() {
+                                    if !ok {
+                                        break;
+                                    }
+                                    ok = conn.write_all(&piece).await.is_ok();
+                                    tokio::time::sleep(Duration::from_millis(5)).await;
+                                }
+                                ok
+                            }
+                            _ => {
+                                let close = if ending == Ending::ConnectionClose {
+                                    "connection: close\r\n"
+                                } else {
+                                    ""
+                                };
+                                let resp = format!(
+                                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n{close}content-length: {}\r\n\r\n{body}",
+                                    body.len()
+                                );
+                                conn.write_all(resp.as_bytes()).await.is_ok()
+                            }
+                        };
+                        if wrote && ending == Ending::SilentClose {
+                            // A keep-alive timeout of 100 ms.
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        if !wrote || matches!(ending, Ending::SilentClose | Ending::ConnectionClose)
+                        {
+                            drop(conn);
+                            cl.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        RawUpstream {
+            addr,
+            connections,
+            answered,
+            closed,
+            _task: task,
+        }
+    }
+
+    fn connections(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+
+    fn answered(&self) -> usize {
+        self.answered.load(Ordering::SeqCst)
+    }
+
+    fn closed(&self) -> usize {
+        self.closed.load(Ordering::SeqCst)
+    }
+}
+
+/// A gateway whose only route is a plain catch-all to `up`.
+async fn plain_gateway(up: &RawUpstream) -> TestGateway {
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
+store:
+{store}
+upstreams:
+  app: {{ url: "http://{addr}", connect_timeout: 500ms, timeout: 5s }}
+routes:
+  - name: rest
+    match: {{ path_prefix: / }}
+    upstream: app
+"#,
+        store = pg_store_block(&db),
+        addr = up.addr
+    );
+    TestGateway::start(&yaml, &db).await
+}
+
+async fn get(c: &TestClient, gw: &TestGateway, path: &str) -> Reply {
+    send(c, Method::GET, &gw.url(path), &[], String::new()).await
+}
+
+#[tokio::test]
+async fn plain_forwards_reuse_one_upstream_connection() {
+    let up = RawUpstream::start(Ending::KeepAlive).await;
+    let gw = plain_gateway(&up).await;
+    let c = client();
+    for i in 1..=20 {
+        let r = get(&c, &gw, "/orders").await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.json()["execution"], i);
+    }
+    assert_eq!(up.answered(), 20);
+    assert_eq!(up.connections(), 1, "one connection, reused");
+}
+
+#[tokio::test]
+async fn a_connection_the_upstream_closed_is_never_used_the_request_runs_once_on_a_new_one() {
+    let up = RawUpstream::start(Ending::SilentClose).await;
+    let gw = plain_gateway(&up).await;
+    let c = client();
+    for i in 1..=10 {
+        let r = get(&c, &gw, "/orders").await;
+        assert_eq!(
+            r.status, 200,
+            "never a 502 for a connection closed while idle: {r:?}"
+        );
+        assert_eq!(r.json()["execution"], i);
+        // The upstream has closed the connection the gateway holds idle.
+        wait_until("the upstream closed it", Duration::from_secs(5), || async {
+            up.closed() == i
+        })
+        .await;
+    }
+    assert_eq!(up.answered(), 10, "each request ran once");
+    assert_eq!(up.connections(), 10, "a new connection each time");
+}
+
+#[tokio::test]
+async fn connection_close_from_the_upstream_is_honoured() {
+    let up = RawUpstream::start(Ending::ConnectionClose).await;
+    let gw = plain_gateway(&up).await;
+    let c = client();
+    for i in 1..=5 {
+        let r = get(&c, &gw, "/orders").await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.json()["execution"], i);
+        assert!(
+            !r.headers.contains_key("connection"),
+            "hop-by-hop: not passed to the client"
+        );
+    }
+    assert_eq!((up.answered(), up.connections()), (5, 5));
+}
+
+#[tokio::test]
+async fn a_connection_whose_body_was_not_read_to_its_end_is_never_reused() {
+    let up = RawUpstream::start(Ending::SlowBigBody).await;
+    let gw = plain_gateway(&up).await;
+    // A client that reads the head and a little of the body, then hangs up.
+    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    raw.write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !got.windows(4).any(|w| w == b"\r\n\r\n") || got.len() < 20_000 {
+        let n = raw.read(&mut chunk).await.unwrap();
+        assert!(
+            n > 0,
+            "the gateway answered: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&chunk[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    drop(raw);
+    // The half-read connection is closed by the gateway, not kept for the next request.
+    wait_until(
+        "the gateway closed the half-read upstream connection",
+        Duration::from_secs(10),
+        || async { up.closed() == 1 },
+    )
+    .await;
+    let c = client();
+    let r = get(&c, &gw, "/next").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.body.len(), 1 << 20, "the whole body");
+    assert_eq!((up.answered(), up.connections()), (2, 2));
+}
