@@ -5,8 +5,8 @@
 //! back through more channels, so one plain forward costs several task wake-ups on top of the
 //! I/O. Here the request's own task polls the connection while it waits for the response head,
 //! and the response body polls it while the client reads the body, as an nginx worker drives
-//! its upstream connection: no hand-off. Measured on the plain hop (BENCHMARKS.md): about
-//! a fifth less gateway CPU per request.
+//! its upstream connection: no hand-off. Measured on the plain hop (BENCHMARKS.md): 5% to
+//! 20% less gateway CPU per request, in A/B runs of the gateway alone.
 //!
 //! Used by plain forwards (`gateway::proxy`) to `http://` upstreams without `http2`; keyed
 //! forwards, upgrades, h2 and TLS upstreams keep the pooled client (`mod.rs`).

@@ -21,7 +21,6 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -148,7 +147,8 @@ impl Upstreams {
                 };
                 let h2c = cfg.http2 && cfg.url.scheme() == Some(&http::uri::Scheme::HTTP);
                 let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(60))
+                    .pool_idle_timeout(h1::IDLE_TIMEOUT)
+                    .pool_max_idle_per_host(h1::MAX_IDLE)
                     .http2_only(h2c)
                     .build(Pinned {
                         inner: connector,
