@@ -298,12 +298,7 @@ async fn a_json_scope_and_a_header_scope_with_the_same_value_do_not_share_a_key(
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     let yaml = format!(
-        r#"
-listen: 127.0.0.1:0
-server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
-store:
-{store}
-upstreams:
+        r#"{head}upstreams:
   app: {{ url: "{up}", connect_timeout: 200ms, timeout: 5s }}
 routes:
   - name: by-body
@@ -317,7 +312,7 @@ routes:
     idempotency:
       scope: {{ header: X-Account-Id }}
 "#,
-        store = pg_store_block(&db),
+        head = config_head(&pg_store_block(&db)),
         up = up.url(),
     );
     let gw = TestGateway::start(&yaml, &db).await;
@@ -668,12 +663,7 @@ async fn the_first_route_in_file_order_wins_and_methods_and_exact_paths_leave_th
     let (a, b) = (Upstream::start().await, Upstream::start().await);
     let db = pg::fresh_database().await;
     let yaml = format!(
-        r#"
-listen: 127.0.0.1:0
-server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
-store:
-{store}
-upstreams:
+        r#"{head}upstreams:
   a: {{ url: "{a}", connect_timeout: 200ms, timeout: 5s }}
   b: {{ url: "{b}", connect_timeout: 200ms, timeout: 5s }}
 routes:
@@ -693,7 +683,7 @@ routes:
     match: {{ path_prefix: / }}
     upstream: b
 "#,
-        store = pg_store_block(&db),
+        head = config_head(&pg_store_block(&db)),
         a = a.url(),
         b = b.url(),
     );

@@ -147,19 +147,14 @@ impl RawUpstream {
 async fn plain_gateway(up: &RawUpstream) -> TestGateway {
     let db = pg::fresh_database().await;
     let yaml = format!(
-        r#"
-listen: 127.0.0.1:0
-server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
-store:
-{store}
-upstreams:
+        r#"{head}upstreams:
   app: {{ url: "http://{addr}", connect_timeout: 500ms, timeout: 5s }}
 routes:
   - name: rest
     match: {{ path_prefix: / }}
     upstream: app
 "#,
-        store = pg_store_block(&db),
+        head = config_head(&pg_store_block(&db)),
         addr = up.addr
     );
     TestGateway::start(&yaml, &db).await

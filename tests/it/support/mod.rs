@@ -119,15 +119,19 @@ pub async fn fresh_config(backend: Backend, upstream: &str, idem: &str) -> (Stri
     }
 }
 
+/// The head every test config shares (listener, server bounds, the store block), above its
+/// own `upstreams:` and `routes:`.
+pub fn config_head(store: &str) -> String {
+    format!(
+        "\nlisten: 127.0.0.1:0\nserver: {{ shutdown_grace: 5s, header_read_timeout: 2s }}\nstore:\n{store}\n"
+    )
+}
+
 /// The default routes with any store block.
 pub fn config_yaml_store(store: &str, upstream: &str, idem: &str) -> String {
+    let head = config_head(store);
     format!(
-        r#"
-listen: 127.0.0.1:0
-server: {{ shutdown_grace: 5s, header_read_timeout: 2s }}
-store:
-{store}
-upstreams:
+        r#"{head}upstreams:
   app: {{ url: "{upstream}", connect_timeout: 200ms, timeout: 5s }}
 routes:
   - name: payments
