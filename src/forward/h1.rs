@@ -65,7 +65,8 @@ pub struct Pool {
     timeout: Duration,
     /// Oldest first; taken from the end.
     idle: Mutex<Vec<Idle>>,
-    reaper: Mutex<bool>,
+    /// Whether the reaper task was started (once, by the first connection given back).
+    reaper: std::sync::atomic::AtomicBool,
 }
 
 impl Pool {
@@ -87,7 +88,7 @@ impl Pool {
             connect_timeout: cfg.connect_timeout,
             timeout: cfg.timeout,
             idle: Mutex::new(Vec::new()),
-            reaper: Mutex::new(false),
+            reaper: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -191,7 +192,7 @@ impl Pool {
     }
 
     fn give_back(self: &Arc<Pool>, tx: SendRequest<Body>, conn: Conn) {
-        let start_reaper = {
+        {
             let mut list = self.idle.lock().expect("pool lock");
             if list.len() >= MAX_IDLE {
                 list.remove(0);
@@ -201,10 +202,10 @@ impl Pool {
                 conn,
                 since: Instant::now(),
             });
-            let mut started = self.reaper.lock().expect("reaper lock");
-            !std::mem::replace(&mut *started, true)
-        };
-        if start_reaper && let Ok(rt) = tokio::runtime::Handle::try_current() {
+        }
+        if !self.reaper.swap(true, std::sync::atomic::Ordering::Relaxed)
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
             rt.spawn(reap(Arc::downgrade(self)));
         }
     }
