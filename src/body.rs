@@ -50,7 +50,7 @@ pub(crate) async fn read_body(
             if buf.len() > limit {
                 let rest = Prefixed {
                     head: Some(buf.freeze()),
-                    rest: body,
+                    rest: stream(body),
                 };
                 return Ok(RequestBody::TooLarge(rest.boxed_unsync()));
             }
@@ -91,17 +91,17 @@ impl hyper::body::Body for Admitted {
 /// An upstream body, read as far as the store limit allows.
 pub(crate) enum Captured {
     /// A retryable status: not read at all.
-    PassOn(Incoming),
+    PassOn(Body),
     /// The whole body, within the limit.
     Whole(Bytes),
     /// Over the limit: what was read, and the rest still streaming.
-    TooLarge { head: Bytes, rest: Incoming },
+    TooLarge { head: Bytes, rest: Body },
 }
 
 /// Reads an upstream body up to `limit`, counting what it holds in `held` on top of the
 /// request body already counted there.
 pub(crate) async fn read_capped(
-    mut body: Incoming,
+    mut body: Body,
     limit: usize,
     held: &mut crate::limits::Reservation,
 ) -> Result<Captured, UpstreamError> {
@@ -109,7 +109,7 @@ pub(crate) async fn read_capped(
     let base = held.bytes();
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&e)))?;
+        let frame = frame.map_err(|e| UpstreamError::Failed(crate::forward::error_chain(&*e)))?;
         if let Ok(data) = frame.into_data() {
             buf.extend_from_slice(&data);
             held.resize(base + buf.len());
@@ -130,7 +130,7 @@ pub(crate) async fn read_capped(
 /// A body that yields bytes already read, then the rest of an upstream body.
 pub(crate) struct Prefixed {
     pub(crate) head: Option<Bytes>,
-    pub(crate) rest: Incoming,
+    pub(crate) rest: Body,
 }
 
 impl hyper::body::Body for Prefixed {
@@ -144,8 +144,6 @@ impl hyper::body::Body for Prefixed {
         if let Some(head) = self.head.take() {
             return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(head))));
         }
-        std::pin::Pin::new(&mut self.rest)
-            .poll_frame(cx)
-            .map_err(|e| Box::new(e) as Self::Error)
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
     }
 }

@@ -328,10 +328,13 @@ impl Gateway {
     }
 
     /// Serves one request; never fails.
+    /// `connection` is the connection's slot of `max_connections`: only a tunnel keeps it
+    /// past the response.
     pub async fn handle(
         self: Arc<Self>,
         mut req: Request<Incoming>,
         client: ClientInfo,
+        connection: Option<crate::limits::ConnectionSlot>,
     ) -> Response<Body> {
         let started = Instant::now();
         // The request id travels to the upstream with the request's headers.
@@ -352,7 +355,7 @@ impl Gateway {
         let routing = self.routing();
         let mut log = RequestLog::new(outcome::PROXIED);
         let (mut resp, error) = match self
-            .route_request(&routing, req, client.clone(), &mut log)
+            .route_request(&routing, req, client.clone(), connection, &mut log)
             .await
         {
             Ok(resp) => (resp, None),
@@ -409,12 +412,9 @@ impl Gateway {
         routing: &Arc<Routing>,
         mut req: Request<Incoming>,
         client: ClientInfo,
+        connection: Option<crate::limits::ConnectionSlot>,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
-        // The connection's slot of `max_connections`: only a tunnel keeps it past this call.
-        let connection = req
-            .extensions_mut()
-            .remove::<crate::limits::ConnectionSlot>();
         let raw = req.uri().path();
         let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
         let route = routing
@@ -445,7 +445,9 @@ impl Gateway {
                         .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
                 });
                 let admission = self.admit(upstream, reserve)?;
-                self.keyed(routing, route, idem, upstream, req, client, log, admission)
+                // Boxed, like the tunnel below: hyper moves every request's future into place,
+                // and inline these rarer paths would make the plain forward's future larger.
+                Box::pin(self.keyed(routing, route, idem, upstream, req, client, log, admission))
                     .await
             }
             _ => {
@@ -469,7 +471,7 @@ impl Gateway {
                     Some((protocols, on_client)) => {
                         crate::tunnel::ask(&mut out, protocols);
                         let hold = (admission, connection);
-                        tunnel(upstream, out, log, hold, on_client, &route.name).await
+                        Box::pin(tunnel(upstream, out, log, hold, on_client, &route.name)).await
                     }
                 }
             }

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::body::{Captured, Prefixed, read_capped};
 use crate::config::{Idempotency, Mode, OnUnknownOutcome};
-use crate::forward::{Body, UpstreamError, clean_response_headers, full, stream};
+use crate::forward::{Body, UpstreamError, clean_response_headers, full};
 use crate::limits::Admission;
 use crate::metrics::Metrics;
 use crate::problem::GatewayError;
@@ -118,7 +118,7 @@ impl ForwardJob {
         let limit = idem.max_stored_response;
         let held = &mut self.admission.bytes;
         let exchange = async {
-            let resp = upstream.send(request).await?;
+            let resp = upstream.send_streamed(request).await?;
             let (parts, body) = resp.into_parts();
             if idem.retry_statuses.contains(parts.status.as_u16()) {
                 return Ok((parts, Captured::PassOn(body)));
@@ -157,7 +157,7 @@ impl ForwardJob {
                     tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
                 }
                 clean_response_headers(&mut parts.headers);
-                Ok(Response::from_parts(parts, stream(body)))
+                Ok(Response::from_parts(parts, body))
             }
             Ok((mut parts, Captured::Whole(bytes))) => {
                 clean_response_headers(&mut parts.headers);

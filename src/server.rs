@@ -94,10 +94,9 @@ pub async fn run(
         let gw = Arc::clone(&gateway);
         let permit = ConnectionSlot::new(permit);
         let slot = permit.clone();
-        let svc = service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
-            let (gw, info) = (Arc::clone(&gw), info.clone());
-            req.extensions_mut().insert(slot.clone());
-            async move { Ok::<_, Infallible>(gw.handle(req, info).await) }
+        let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+            let (gw, info, slot) = (Arc::clone(&gw), info.clone(), slot.clone());
+            async move { Ok::<_, Infallible>(gw.handle(req, info, Some(slot)).await) }
         });
         if let Some(acceptor) = &tls {
             // The handshake runs in the connection's task, bounded like a request head.

@@ -8,8 +8,8 @@
 //! its upstream connection: no hand-off. Measured on the plain hop (BENCHMARKS.md): 5% to
 //! 20% less gateway CPU per request, in A/B runs of the gateway alone.
 //!
-//! Used by plain forwards (`gateway::proxy`) to `http://` upstreams without `http2`; keyed
-//! forwards, upgrades, h2 and TLS upstreams keep the pooled client (`mod.rs`).
+//! Used by plain and keyed forwards (`gateway::proxy`, `record::ForwardJob`) to `http://`
+//! upstreams without `http2`; upgrades, h2 and TLS upstreams keep the pooled client (`mod.rs`).
 //!
 //! Invariants:
 //! - A connection is idle (in the pool) only between exchanges: after its response body was
@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
-use http::{Request, Response, Uri};
+use http::{Request, Response, Uri, uri};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
 use hyper::client::conn::http1::{Connection, SendRequest};
@@ -49,7 +49,9 @@ pub const MAX_IDLE: usize = 512;
 /// An idle connection older than this is closed instead of used.
 pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
-type Conn = Connection<TokioIo<TcpStream>, Body>;
+/// Boxed: an idle connection moves from the pool to the request's future, its response body
+/// and back, and hyper's connection state is large.
+type Conn = Box<Connection<TokioIo<TcpStream>, Body>>;
 
 struct Idle {
     tx: SendRequest<Body>,
@@ -61,6 +63,8 @@ struct Idle {
 pub struct Pool {
     /// `host:port` to connect to (the upstream's URL, port 80 by default).
     addr: String,
+    /// The configured authority and its `Host` value.
+    host: Option<(uri::Authority, HeaderValue)>,
     connect_timeout: Duration,
     timeout: Duration,
     /// Oldest first; taken from the end.
@@ -83,8 +87,13 @@ impl Pool {
         } else {
             format!("{host}:{port}")
         };
+        let made = cfg.url.authority().cloned().and_then(|a| {
+            let value = host_value(a.host(), a.port_u16())?;
+            Some((a, value))
+        });
         Some(Arc::new(Pool {
             addr,
+            host: made,
             connect_timeout: cfg.connect_timeout,
             timeout: cfg.timeout,
             idle: Mutex::new(Vec::new()),
@@ -98,7 +107,7 @@ impl Pool {
         self: &Arc<Pool>,
         req: Request<Body>,
     ) -> Result<Response<Body>, UpstreamError> {
-        let req = origin_form(req);
+        let req = origin_form(req, self.host.as_ref());
         match tokio::time::timeout(self.timeout, self.exchange(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(r) => r,
@@ -157,6 +166,7 @@ impl Pool {
         let _ = stream.set_nodelay(true);
         hyper::client::conn::http1::handshake(TokioIo::new(stream))
             .await
+            .map(|(tx, conn)| (tx, Box::new(conn)))
             .map_err(|e| UpstreamError::Connect(error_chain(&e)))
     }
 
@@ -240,16 +250,20 @@ async fn reap(pool: Weak<Pool>) {
 /// What the legacy client did to an absolute-form request before writing it on HTTP/1.1:
 /// origin-form URI, and `Host` from the authority (without the scheme's default port) unless
 /// one is set.
-fn origin_form(mut req: Request<Body>) -> Request<Body> {
+/// `upstream` is the configured authority and its `Host`, made once.
+fn origin_form(
+    mut req: Request<Body>,
+    upstream: Option<&(uri::Authority, HeaderValue)>,
+) -> Request<Body> {
     let uri = req.uri().clone();
     if let Some(host) = uri.host()
         && !req.headers().contains_key(header::HOST)
     {
-        let value = match uri.port_u16() {
-            Some(port) if port != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
-            _ => HeaderValue::from_str(host),
+        let value = match upstream {
+            Some((authority, value)) if uri.authority() == Some(authority) => Some(value.clone()),
+            _ => host_value(host, uri.port_u16()),
         };
-        if let Ok(v) = value {
+        if let Some(v) = value {
             req.headers_mut().insert(header::HOST, v);
         }
     }
@@ -259,6 +273,15 @@ fn origin_form(mut req: Request<Body>) -> Request<Body> {
     };
     *req.uri_mut() = Uri::from(path);
     req
+}
+
+/// `Host` for an authority: without the scheme's default port.
+fn host_value(host: &str, port: Option<u16>) -> Option<HeaderValue> {
+    match port {
+        Some(port) if port != 80 => HeaderValue::from_str(&format!("{host}:{port}")),
+        _ => HeaderValue::from_str(host),
+    }
+    .ok()
 }
 
 struct Exchange {

@@ -10,9 +10,9 @@
 //!
 //! Each upstream speaks HTTP/1.1, or with `http2: true` HTTP/2 (h2c by prior knowledge for
 //! `http://`, ALPN `h2` then `http/1.1` for `https://`). Its connections always go to its
-//! configured `url` ([`Pinned`]), whatever authority a request names. Plain forwards to a
-//! plain `http://` HTTP/1.1 upstream go over connections driven by the request's own task
-//! (`h1.rs`); keyed forwards, upgrades, h2 and TLS go over hyper-util's pooled client.
+//! configured `url` ([`Pinned`]), whatever authority a request names. Plain and keyed
+//! forwards to a plain `http://` HTTP/1.1 upstream go over connections driven by the task that
+//! forwards (`h1.rs`); upgrades, h2 and TLS go over hyper-util's pooled client.
 //!
 //! Failures are classified by what they mean for the key: [`UpstreamError::Connect`] means
 //! the request never left (safe to release), [`UpstreamError::Timeout`] and
@@ -62,12 +62,21 @@ const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(header::CONNECTION) {
+        // `close` and `keep-alive` (the usual tokens) name no header or one removed below
+        // anyway: only other names are collected, so the usual case allocates nothing.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
-            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .map(str::trim)
+            .filter(|t| {
+                !t.eq_ignore_ascii_case("close")
+                    && !crate::headers::HOP_BY_HOP
+                        .iter()
+                        .any(|h| t.eq_ignore_ascii_case(h.as_str()))
+            })
+            .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
         for name in named {
             headers.remove(name);
@@ -100,8 +109,8 @@ pub struct Upstreams {
 pub struct UpstreamClient {
     pub config: UpstreamConfig,
     client: Client<Pinned, Body>,
-    /// Plain forwards to a plain `http://` HTTP/1.1 upstream, without the pooled client's
-    /// connection tasks (`forward/h1.rs`).
+    /// Plain and keyed forwards to a plain `http://` HTTP/1.1 upstream, without the pooled
+    /// client's connection tasks (`forward/h1.rs`).
     direct: Option<std::sync::Arc<h1::Pool>>,
     /// `max_in_flight`: shared with the clients a reload builds for the same upstream name.
     pub limit: std::sync::Arc<crate::limits::UpstreamLimit>,
@@ -270,13 +279,16 @@ fn push_token_or_quoted(out: &mut String, value: &str) {
 
 /// Several lines of one list header as one value (RFC 9110 section 5.3), with `last` added.
 fn append_to_list(headers: &HeaderMap, name: &HeaderName, last: &str) -> Option<HeaderValue> {
-    let mut all: Vec<&str> = headers
-        .get_all(name)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .collect();
-    all.push(last);
-    HeaderValue::from_str(&all.join(", ")).ok()
+    let mut all = String::new();
+    for v in headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
+        all.push_str(v);
+        all.push_str(", ");
+    }
+    if all.is_empty() {
+        return HeaderValue::from_str(last).ok();
+    }
+    all.push_str(last);
+    HeaderValue::from_str(&all).ok()
 }
 
 /// Whether a `TE` header asks for trailers (`TE: trailers`, maybe among codings).
@@ -387,7 +399,7 @@ impl UpstreamClient {
         Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
     }
 
-    /// Sends a plain forward and waits for the response head (bounded by the upstream's
+    /// Sends a forward (plain or keyed) and waits for the response head (bounded by the upstream's
     /// `timeout`); the body streams. Over the direct HTTP/1.1 pool when the upstream has one.
     pub async fn send_streamed(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
         match &self.direct {

@@ -29,7 +29,7 @@
 //! |---|---|
 //! | `Claim` | `KeyedWork::run` → `Store::claim`: CLAIM_SQL in `PgStore::claim_once`, one statement: inserts, or takes over a row whose `ttl` passed or an in-flight row whose lease ended (not under `hold`: `Claim::Held`), or reports what is there (`Completed`: a replay; `InFlight`: 409). `took_over` comes from `attempts` and is counted `taken_over`. |
 //! | `ClaimFails { applied }` | a store error on the claim: 503 `store-unavailable`, nothing forwarded; `applied`: the statement committed but its answer was lost. |
-//! | `Upstream { Answers }` | `ForwardJob::forward`: `upstream.send`, body read whole (`Captured::Whole`). |
+//! | `Upstream { Answers }` | `ForwardJob::forward`: `upstream.send_streamed`, body read whole (`Captured::Whole`). |
 //! | `Upstream { TimesOutAfterWork / TimesOutBeforeWork }` | `ForwardJob::forward`: `UpstreamError::Timeout`, 504, counted `upstream_timeout`; the upstream did the work or not. |
 //! | `Finish` (answered) | `ForwardJob::record` → `ForwardJob::finish` → `Store::finish(Outcome::Completed)`: FINISH_SQL, fenced by `lease_token` and `state = 'in_flight'`. `Ok(false)`: counted `lost`, and the client still gets the upstream's answer (SPEC 2.6). |
 //! | `Finish` (unknown) | `Store::finish(Outcome::Release)`: RELEASE_SQL (`reforward`), or `Outcome::Unknown`: FINISH_SQL with `'unknown'` (`hold`); both fenced. |

@@ -1,8 +1,9 @@
-//! Plain forwards to an `http://` HTTP/1.1 upstream over the gateway's own connection pool
-//! (`forward/h1.rs`): connections are reused, one the upstream closed is never used (a new one
-//! is made, the request runs once), one whose response body was not read to its end is never
-//! reused, and `Connection: close` is honoured. The upstream is a raw TCP server that counts
-//! the connections it accepted and the requests it answered.
+//! Plain and keyed forwards to an `http://` HTTP/1.1 upstream over the gateway's own
+//! connection pool (`forward/h1.rs`): connections are reused, one the upstream closed is never
+//! used (a new one is made, the request runs once), one whose response body was not read to its
+//! end is never reused, and `Connection: close` is honoured. The upstream is a raw TCP server
+//! that counts the connections it accepted and the requests it answered, and keeps the `Host`
+//! each request named.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -33,6 +34,8 @@ struct RawUpstream {
     connections: Arc<AtomicUsize>,
     answered: Arc<AtomicUsize>,
     closed: Arc<AtomicUsize>,
+    /// The `Host` header of each request answered.
+    hosts: Arc<std::sync::Mutex<Vec<String>>>,
     _task: tokio::task::JoinHandle<()>,
 }
 
@@ -43,11 +46,13 @@ impl RawUpstream {
         let connections = Arc::new(AtomicUsize::new(0));
         let answered = Arc::new(AtomicUsize::new(0));
         let closed = Arc::new(AtomicUsize::new(0));
+        let hosts = Arc::new(std::sync::Mutex::new(Vec::new()));
         let (conns, ans, cl) = (connections.clone(), answered.clone(), closed.clone());
+        let seen = hosts.clone();
         let task = tokio::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
                 conns.fetch_add(1, Ordering::SeqCst);
-                let (ans, cl) = (ans.clone(), cl.clone());
+                let (ans, cl, seen) = (ans.clone(), cl.clone(), seen.clone());
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
@@ -76,6 +81,9 @@ impl RawUpstream {
                             }
                         }
                         buf.drain(..end + length);
+                        if let Some(host) = head.lines().find_map(|l| l.strip_prefix("host:")) {
+                            seen.lock().unwrap().push(host.trim().to_string());
+                        }
                         let n = ans.fetch_add(1, Ordering::SeqCst) + 1;
                         let body = format!("{{\"execution\":{n}}}");
                         let wrote = match ending {
@@ -126,8 +134,13 @@ impl RawUpstream {
             connections,
             answered,
             closed,
+            hosts,
             _task: task,
         }
+    }
+
+    fn hosts(&self) -> Vec<String> {
+        self.hosts.lock().unwrap().clone()
     }
 
     fn connections(&self) -> usize {
@@ -158,6 +171,41 @@ routes:
         addr = up.addr
     );
     TestGateway::start(&yaml, &db).await
+}
+
+/// A gateway whose only route is keyed: `POST /pay`, key from `Idempotency-Key`.
+async fn keyed_gateway(up: &RawUpstream) -> TestGateway {
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"{head}upstreams:
+  app: {{ url: "http://{addr}", connect_timeout: 500ms, timeout: 5s }}
+routes:
+  - name: pay
+    match: {{ path: /pay, methods: [POST] }}
+    upstream: app
+    idempotency:
+      key: [ {{ header: Idempotency-Key }} ]
+      scope: {{ fixed: shop }}
+      required: true
+"#,
+        head = config_head(&pg_store_block(&db)),
+        addr = up.addr
+    );
+    TestGateway::start(&yaml, &db).await
+}
+
+async fn pay(c: &TestClient, gw: &TestGateway, key: &str) -> Reply {
+    send(
+        c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", key),
+            ("content-type", "application/json"),
+        ],
+        r#"{"amount":100}"#,
+    )
+    .await
 }
 
 async fn get(c: &TestClient, gw: &TestGateway, path: &str) -> Reply {
@@ -251,4 +299,48 @@ async fn a_connection_whose_body_was_not_read_to_its_end_is_never_reused() {
     assert_eq!(r.status, 200);
     assert_eq!(r.body.len(), 1 << 20, "the whole body");
     assert_eq!((up.answered(), up.connections()), (2, 2));
+}
+
+#[tokio::test]
+async fn keyed_forwards_reuse_one_upstream_connection_and_name_the_upstreams_host() {
+    let up = RawUpstream::start(Ending::KeepAlive).await;
+    let gw = keyed_gateway(&up).await;
+    let c = client();
+    for i in 1..=10 {
+        let key = format!("k-{i}");
+        let r = pay(&c, &gw, &key).await;
+        assert_eq!(r.status, 200, "{r:?}");
+        assert_eq!(r.json()["execution"], i);
+        let again = pay(&c, &gw, &key).await;
+        assert!(again.replayed(), "{again:?}");
+        assert_eq!(again.json()["execution"], i, "the stored answer");
+    }
+    assert_eq!(up.answered(), 10, "each key ran once");
+    assert_eq!(up.connections(), 1, "one connection, reused");
+    let want = up.addr.to_string();
+    assert_eq!(up.hosts(), vec![want; 10], "Host names the upstream");
+}
+
+#[tokio::test]
+async fn a_keyed_forward_never_uses_a_connection_the_upstream_closed_and_runs_once() {
+    let up = RawUpstream::start(Ending::SilentClose).await;
+    let gw = keyed_gateway(&up).await;
+    let c = client();
+    for i in 1..=5 {
+        let key = format!("k-{i}");
+        let r = pay(&c, &gw, &key).await;
+        assert_eq!(
+            r.status, 200,
+            "never a 502 or an unknown outcome for a connection closed while idle: {r:?}"
+        );
+        assert_eq!(r.json()["execution"], i);
+        wait_until("the upstream closed it", Duration::from_secs(5), || async {
+            up.closed() == i
+        })
+        .await;
+        let again = pay(&c, &gw, &key).await;
+        assert!(again.replayed(), "{again:?}");
+    }
+    assert_eq!(up.answered(), 5, "each key ran once");
+    assert_eq!(up.connections(), 5, "a new connection each time");
 }
