@@ -15,7 +15,9 @@
 # of the whole cluster (postmaster, backends, background processes; /proc) per key, and how
 # many completions were HOT updates. On a shared machine read the ratios within a round.
 #
-# Environment: ROUNDS (3), DUR seconds per run (10), CLIENTS (32), PGBIN (the newest
+# Environment: ROUNDS (3), DUR seconds per run (10), CLIENTS (32), RATE (keys/s for every
+# run, pgbench -R, so that the three are compared at matched rates: CPU per key moves with
+# load on a small machine; default: as fast as each goes), PGBIN (the newest
 # /usr/lib/postgresql/*/bin). Needs git, pgbench and the PostgreSQL server binaries; run as
 # root (the cluster then runs as the postgres user) or as a user who may run initdb.
 set -euo pipefail
@@ -110,7 +112,7 @@ script_for "$BEFORE" "$WORK/before.sql"
 script_for "$AFTER" "$WORK/after.sql"
 
 FP='\x'$(printf 'fingerprint' | sha256sum | cut -c1-64)
-PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1
+PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1 ${RATE:+-R "$RATE"}
   -D "c3=pay" -D "c4=$FP" -D c5=30000 -D c6=86400000 -D c7=false
   -D f4=completed -D f5=200 -D "f6=content-type: application/json" -D 'f7={"ok":true}'
   -D f8=86400000 -D f9=0123456789abcdef)
@@ -142,7 +144,7 @@ run() { # which round
 }
 
 echo "before: $(git -C "$ROOT" rev-parse --short "$BEFORE"), after: $(git -C "$ROOT" rev-parse --short "$AFTER");" \
-  "$("$PGBIN/postgres" --version), stock settings; pgbench -M prepared -c $CLIENTS -j 1, ${DUR}s per run"
+  "$("$PGBIN/postgres" --version), stock settings; pgbench -M prepared -c $CLIENTS -j 1${RATE:+ -R $RATE}, ${DUR}s per run"
 echo
 echo "| round | SQL | keys/s | PostgreSQL CPU µs/key | HOT completions |"
 echo "|---:|---|---:|---:|---|"
