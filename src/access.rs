@@ -77,7 +77,7 @@ pub struct AccessLine {
     pub client_ip: std::net::IpAddr,
     pub request_id: HeaderValue,
     pub started: Instant,
-    pub route: Option<String>,
+    pub route: Option<Arc<str>>,
     pub outcome: &'static str,
     pub status: u16,
     pub key_id: Option<String>,

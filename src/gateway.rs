@@ -108,7 +108,8 @@ impl Readiness {
 
 /// What the access log line and the request counter say about one request.
 struct RequestLog {
-    route: Option<String>,
+    /// The matched route's metric handles (and name).
+    route: Option<Arc<crate::metrics::RouteHandles>>,
     outcome: &'static str,
     key_id: Option<String>,
     upstream: Option<Duration>,
@@ -380,10 +381,14 @@ impl Gateway {
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        let route = log.route.as_deref().unwrap_or("");
-        self.metrics.request(route, log.outcome);
+        let handles = match &log.route {
+            Some(h) => Arc::clone(h),
+            // No route matched: counted under `route=""`.
+            None => self.metrics.route(""),
+        };
+        handles.request(log.outcome);
         if let Some(took) = log.upstream {
-            self.metrics.upstream(route, took);
+            handles.upstream(took);
         }
         resp.headers_mut()
             .insert(crate::access::X_REQUEST_ID, request_id.clone());
@@ -394,7 +399,7 @@ impl Gateway {
             client_ip: client.addr.ip(),
             request_id,
             started,
-            route: log.route,
+            route: log.route.map(|h| Arc::clone(&h.name)),
             outcome: log.outcome,
             status: resp.status().as_u16(),
             key_id: log.key_id,
@@ -417,16 +422,17 @@ impl Gateway {
     ) -> Result<Response<Body>, GatewayError> {
         let raw = req.uri().path();
         let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
-        let route = routing
+        let index = routing
             .config
-            .route_for(req.method(), &normal)
+            .route_index_for(req.method(), &normal)
             .ok_or(GatewayError::NoRoute)?;
+        let route = &routing.config.routes[index];
         let canonical = route.path.canonical(&normal);
         if canonical != raw {
             let uri = with_path(req.uri(), canonical);
             *req.uri_mut() = uri;
         }
-        log.route = Some(route.name.clone());
+        log.route = Some(Arc::clone(&routing.metrics[index]));
         let upstream = routing
             .upstreams
             .get(&route.upstream)

@@ -180,10 +180,41 @@ pub struct Metrics {
     per_route: std::sync::RwLock<std::collections::HashMap<String, Arc<RouteHandles>>>,
 }
 
-/// One route's request counters (by outcome, filled on first use) and latency histogram.
-struct RouteHandles {
+/// One route's request counters (by outcome, filled on first use) and latency histogram,
+/// resolved once per route: `Routing` holds one per configured route, so a request counts
+/// without looking its route up by name.
+pub struct RouteHandles {
+    /// The route's name (the label of its series, and the access line's `route`).
+    pub name: Arc<str>,
     outcomes: Mutex<Vec<(&'static str, Counter)>>,
     upstream: Histogram,
+    /// `Metrics::requests`, for an outcome this route has not had yet.
+    requests: Family<RouteOutcome, Counter>,
+}
+
+impl RouteHandles {
+    /// Counts a request of this route that ended with `outcome`.
+    pub fn request(&self, outcome: &'static str) {
+        let mut outcomes = self.outcomes.lock().expect("metrics lock");
+        if let Some((_, c)) = outcomes.iter().find(|(o, _)| *o == outcome) {
+            c.inc();
+            return;
+        }
+        let c = self
+            .requests
+            .get_or_create(&RouteOutcome {
+                route: self.name.to_string(),
+                outcome,
+            })
+            .clone();
+        c.inc();
+        outcomes.push((outcome, c));
+    }
+
+    /// Observes how long this route's upstream took to answer.
+    pub fn upstream(&self, took: Duration) {
+        self.upstream.observe(took.as_secs_f64());
+    }
 }
 
 impl Metrics {
@@ -310,13 +341,15 @@ impl Metrics {
         }
     }
 
-    fn route(&self, route: &str) -> Arc<RouteHandles> {
+    /// The handles of `route`, made on first use and the same ever after (across reloads).
+    pub fn route(&self, route: &str) -> Arc<RouteHandles> {
         if let Some(h) = self.per_route.read().expect("metrics lock").get(route) {
             return Arc::clone(h);
         }
         let mut all = self.per_route.write().expect("metrics lock");
         let h = all.entry(route.to_string()).or_insert_with(|| {
             Arc::new(RouteHandles {
+                name: Arc::from(route),
                 outcomes: Mutex::new(Vec::new()),
                 upstream: self
                     .upstream_latency
@@ -324,27 +357,14 @@ impl Metrics {
                         route: route.to_string(),
                     })
                     .clone(),
+                requests: self.requests.clone(),
             })
         });
         Arc::clone(h)
     }
 
     pub fn request(&self, route: &str, outcome: &'static str) {
-        let handles = self.route(route);
-        let mut outcomes = handles.outcomes.lock().expect("metrics lock");
-        if let Some((_, c)) = outcomes.iter().find(|(o, _)| *o == outcome) {
-            c.inc();
-            return;
-        }
-        let c = self
-            .requests
-            .get_or_create(&RouteOutcome {
-                route: route.to_string(),
-                outcome,
-            })
-            .clone();
-        c.inc();
-        outcomes.push((outcome, c));
+        self.route(route).request(outcome);
     }
 
     pub fn lease(&self, route: &str, event: &'static str) {
@@ -357,7 +377,7 @@ impl Metrics {
     }
 
     pub fn upstream(&self, route: &str, took: Duration) {
-        self.route(route).upstream.observe(took.as_secs_f64());
+        self.route(route).upstream(took);
     }
 
     /// The exposition in `format`.

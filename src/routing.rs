@@ -11,18 +11,29 @@ use std::sync::Arc;
 use crate::config::{Config, Idempotency, Route};
 use crate::forward::{UpstreamClient, Upstreams};
 use crate::limits::UpstreamLimit;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, RouteHandles};
 
 /// One configuration and the upstream clients built from it.
 pub struct Routing {
     pub config: Arc<Config>,
     pub(crate) upstreams: Upstreams,
+    /// The metric handles of `config.routes[i]` at `i`.
+    pub(crate) metrics: Vec<Arc<RouteHandles>>,
 }
 
 impl Routing {
     pub(crate) fn new(config: Arc<Config>, gateway_limits: &LimitRegistry<'_>) -> Routing {
         let upstreams = Upstreams::new(config.upstreams.values(), |up| gateway_limits.get(up));
-        Routing { config, upstreams }
+        let metrics = config
+            .routes
+            .iter()
+            .map(|r| gateway_limits.metrics.route(&r.name))
+            .collect();
+        Routing {
+            config,
+            upstreams,
+            metrics,
+        }
     }
 
     pub(crate) fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {

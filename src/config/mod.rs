@@ -613,7 +613,12 @@ impl Config {
 
     /// The first route in file order that matches (SPEC section 2, step 1).
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
-        self.routes.iter().find(|r| r.matches(method, path))
+        self.route_index_for(method, path).map(|i| &self.routes[i])
+    }
+
+    /// The index in `routes` of the route [`route_for`](Self::route_for) finds.
+    pub fn route_index_for(&self, method: &Method, path: &str) -> Option<usize> {
+        self.routes.iter().position(|r| r.matches(method, path))
     }
 
     /// Reads and validates a config file.

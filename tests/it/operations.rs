@@ -53,6 +53,48 @@ async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
     );
 }
 
+/// Each route's metric handles are resolved when its configuration is loaded: after a reload
+/// that reorders the routes and renames one, every request still counts under its own route.
+#[tokio::test]
+async fn metrics_follow_each_route_across_a_reload_that_reorders_and_renames_routes() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let routes = |first: &str, second: &str, swapped: bool| {
+        let a = format!("  - {{ name: {first}, match: {{ path_prefix: /a/ }}, upstream: app }}\n");
+        let b = format!("  - {{ name: {second}, match: {{ path_prefix: /b/ }}, upstream: app }}\n");
+        format!(
+            "{head}upstreams:\n  app: {{ url: \"{url}\", connect_timeout: 200ms, timeout: 5s }}\nroutes:\n{list}",
+            head = config_head(&pg_store_block(&db)),
+            url = up.url(),
+            list = if swapped { b + &a } else { a + &b },
+        )
+    };
+    let gw = TestGateway::start(&routes("first", "second", false), &db).await;
+    let c = client();
+    let get = |path: &'static str| {
+        let url = gw.url(path);
+        let c = &c;
+        async move { send(c, Method::GET, &url, &[], "").await }
+    };
+    assert_eq!(get("/a/x").await.status, 201);
+    assert_eq!(get("/b/x").await.status, 201);
+    let reloaded = idemgate::config::Config::from_yaml(&routes("first", "renamed", true)).unwrap();
+    gw.gateway.reload(reloaded).unwrap();
+    assert_eq!(get("/a/x").await.status, 201);
+    assert_eq!(get("/a/y").await.status, 201);
+    assert_eq!(get("/b/x").await.status, 201);
+    let text = String::from_utf8_lossy(&admin_get(&gw, "/metrics", None).await.body).to_string();
+    let proxied = |route: &str| {
+        metric(
+            &text,
+            &format!("idemgate_requests_total{{route=\"{route}\",outcome=\"proxied\"}}"),
+        )
+    };
+    assert_eq!(proxied("first"), 3.0, "{text}");
+    assert_eq!(proxied("second"), 1.0, "{text}");
+    assert_eq!(proxied("renamed"), 1.0, "{text}");
+}
+
 /// Readiness used to fail during a store outage; it no longer does once the store has been
 /// ready (see `admin::readyz` and `rollout.rs` for the reasons and the rest of the rule).
 #[tokio::test]
