@@ -62,7 +62,7 @@ const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(header::CONNECTION) {
-        // `close` and `keep-alive` (the usual tokens) name no header or one removed below
+        // A token naming a hop-by-hop header (`keep-alive`, the usual one) is removed below
         // anyway: only other names are collected, so the usual case allocates nothing.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
@@ -71,10 +71,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .flat_map(|v| v.split(','))
             .map(str::trim)
             .filter(|t| {
-                !t.eq_ignore_ascii_case("close")
-                    && !crate::headers::HOP_BY_HOP
-                        .iter()
-                        .any(|h| t.eq_ignore_ascii_case(h.as_str()))
+                !crate::headers::HOP_BY_HOP
+                    .iter()
+                    .any(|h| t.eq_ignore_ascii_case(h.as_str()))
             })
             .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
@@ -453,14 +452,31 @@ mod tests {
     #[test]
     fn connection_named_headers_are_stripped() {
         let mut h = HeaderMap::new();
-        h.insert("connection", "close, x-secret".parse().unwrap());
+        h.insert("connection", "close, X-Secret".parse().unwrap());
+        h.append("connection", "Keep-Alive,x-other".parse().unwrap());
         h.insert("x-secret", "1".parse().unwrap());
+        h.insert("x-other", "1".parse().unwrap());
+        // Named by the `close` option: RFC 9110 section 7.6.1 removes it too.
+        h.insert("close", "1".parse().unwrap());
         h.insert("keep-alive", "timeout=5".parse().unwrap());
         h.insert("te", "trailers".parse().unwrap());
         h.insert("content-type", "text/plain".parse().unwrap());
         strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
+        assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("content-type"));
+    }
+
+    #[test]
+    fn a_list_header_gets_this_hops_element_after_every_earlier_one() {
+        let mut h = HeaderMap::new();
+        let name = HeaderName::from_static("x-forwarded-for");
+        assert_eq!(append_to_list(&h, &name, "192.0.2.7").unwrap(), "192.0.2.7");
+        h.insert(&name, "198.51.100.1, 198.51.100.2".parse().unwrap());
+        h.append(&name, "203.0.113.9".parse().unwrap());
+        assert_eq!(
+            append_to_list(&h, &name, "192.0.2.7").unwrap(),
+            "198.51.100.1, 198.51.100.2, 203.0.113.9, 192.0.2.7"
+        );
     }
 
     #[test]
