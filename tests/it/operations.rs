@@ -70,6 +70,18 @@ async fn metrics_follow_each_route_across_a_reload_that_reorders_and_renames_rou
         )
     };
     let gw = TestGateway::start(&routes("first", "second", false), &db).await;
+    let at_start =
+        String::from_utf8_lossy(&admin_get(&gw, "/metrics", None).await.body).to_string();
+    for route in ["first", "second"] {
+        assert_eq!(
+            metric(
+                &at_start,
+                &format!("idemgate_upstream_latency_seconds_count{{route=\"{route}\"}}")
+            ),
+            0.0,
+            "each configured route's latency series exists from the start: {at_start}"
+        );
+    }
     let c = client();
     let get = |path: &'static str| {
         let url = gw.url(path);
