@@ -2,9 +2,11 @@
 //! request resolves its route, idempotency settings and upstream client against. A reload
 //! builds a new one and swaps it in whole; a request keeps the snapshot it started with.
 //!
-//! Invariant: an upstream's admission counter ([`UpstreamLimit`]) is the same object in
+//! Invariants: an upstream's admission counter ([`UpstreamLimit`]) is the same object in
 //! every snapshot ([`LimitRegistry`] hands it out by upstream name), so slots taken under an
-//! old snapshot are counted against the new limit.
+//! old snapshot are counted against the new limit; `Routing::metrics[i]` are the metric
+//! handles of `config.routes[i]`, resolved when the snapshot is built (the same handles for a
+//! route name in every snapshot), so a request counts without looking its route up by name.
 
 use std::sync::Arc;
 
