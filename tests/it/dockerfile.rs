@@ -18,7 +18,8 @@
 //! - Cargo runs offline (`CARGO_NET_OFFLINE`), from the local registry cache: CI runs
 //!   `cargo fetch --locked` once before the tests, and so must a developer on a fresh
 //!   machine. Offline or not, cargo reads the same manifest and lock file.
-//! - The release profile is compiled at opt-level 0 (`CARGO_PROFILE_RELEASE_OPT_LEVEL`), so
+//! - The release profile is compiled at opt-level 0 (`CARGO_PROFILE_RELEASE_OPT_LEVEL`),
+//!   without link-time optimization and with cargo's default codegen units, so
 //!   the replay costs about what a debug build does (a minute and a half from scratch on two
 //!   cores, half a minute once the dependencies are built) instead of several minutes for
 //!   an optimized one; which files a stage needs does not depend on optimization.
@@ -269,6 +270,8 @@ fn run_in_stage(workdir: &Path, ins: &Instruction, env: &[(String, String)]) {
     cmd.envs(env.iter().map(|(k, v)| (k, v)))
         .env("CARGO_NET_OFFLINE", "true")
         .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0")
+        .env("CARGO_PROFILE_RELEASE_LTO", "false")
+        .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16")
         .env("CARGO_TERM_COLOR", "never")
         .current_dir(workdir);
     let out = cmd
