@@ -1,5 +1,29 @@
-# Sourced by the benchmark scripts: CPU accounting of one PostgreSQL cluster from /proc, and
-# waiting for a database's backends to be gone. Needs PM, the postmaster's pid.
+# Sourced by the benchmark scripts: a throwaway PostgreSQL cluster (start_cluster), CPU
+# accounting of it from /proc (ticks), and waiting for a database's backends to be gone
+# (settle).
+
+# Runs a command as the postgres user when running as root (initdb refuses root).
+as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
+
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+# Starts a cluster with stock settings (fsync and synchronous_commit on) under $WORK/pg, from
+# $PGBIN, on a free port; sets PORT and PM (the postmaster's pid) and points libpq's
+# environment at it. The caller stops it: stop_cluster, in its EXIT trap.
+start_cluster() {
+  PORT=$(free_port)
+  mkdir -p "$WORK/pg"
+  [[ $(id -u) == 0 ]] && chown postgres "$WORK/pg"
+  as_pg "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres --auth=trust --no-sync >/dev/null
+  as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
+    -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1 -c max_connections=100" start >/dev/null
+  export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
+  PM=$(head -1 "$WORK/pg/data/postmaster.pid")
+}
+
+stop_cluster() {
+  as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast -w stop >/dev/null 2>&1 || true
+}
 
 # CPU ticks of the cluster: the postmaster with its reaped children, and its live children.
 # A backend that exited but is not reaped yet is in neither, so callers wait for pgbench's

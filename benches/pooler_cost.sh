@@ -54,15 +54,12 @@ WORK=$(mktemp -d)
 chmod 755 "$WORK"
 HZ=$(getconf CLK_TCK)
 
-as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-PORT=$(free_port)
+# start_cluster, stop_cluster, ticks and settle: benches/cluster.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
+start_cluster
 BPORT=$(free_port)
-mkdir -p "$WORK/pg" "$WORK/bouncer"
-[[ $(id -u) == 0 ]] && chown postgres "$WORK/pg" "$WORK/bouncer"
-as_pg "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres --auth=trust --no-sync >/dev/null
-as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
-  -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1 -c max_connections=100" start >/dev/null
+mkdir -p "$WORK/bouncer"
+[[ $(id -u) == 0 ]] && chown postgres "$WORK/bouncer"
 cat >"$WORK/bouncer/pgbouncer.ini" <<INI
 [databases]
 * = host=127.0.0.1 port=$PORT
@@ -86,14 +83,12 @@ echo '"postgres" ""' >"$WORK/bouncer/userlist.txt"
 as_pg "$PGBOUNCER" -d "$WORK/bouncer/pgbouncer.ini"
 cleanup() {
   [[ -s $WORK/bouncer/pgbouncer.pid ]] && kill "$(cat "$WORK/bouncer/pgbouncer.pid")" 2>/dev/null || true
-  as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast -w stop >/dev/null 2>&1 || true
+  stop_cluster
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 for _ in $(seq 100); do [[ -s $WORK/bouncer/pgbouncer.pid ]] && break; sleep 0.1; done
 BPID=$(cat "$WORK/bouncer/pgbouncer.pid")
-export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
-PM=$(head -1 "$WORK/pg/data/postmaster.pid")
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 # CPU ticks of one process (utime + stime).
@@ -104,9 +99,6 @@ own_ticks() { # pid
   set -- $line
   echo $((${12} + ${13}))
 }
-
-# The cluster's CPU ticks (ticks) and settle: benches/cluster.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 
 
 # The text of `const NAME: &str = "...";` in src/store/postgres.rs.

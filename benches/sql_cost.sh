@@ -33,25 +33,15 @@ WORK=$(mktemp -d)
 chmod 755 "$WORK"
 HZ=$(getconf CLK_TCK)
 
-as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
-PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-mkdir -p "$WORK/pg"
-[[ $(id -u) == 0 ]] && chown postgres "$WORK/pg"
-as_pg "$PGBIN/initdb" -D "$WORK/pg/data" -U postgres --auth=trust --no-sync >/dev/null
-as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -l "$WORK/pg/log" -w \
-  -o "-p $PORT -k $WORK/pg -c listen_addresses=127.0.0.1 -c max_connections=100" start >/dev/null
+# start_cluster, stop_cluster, ticks and settle: benches/cluster.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
+start_cluster
 cleanup() {
-  as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast -w stop >/dev/null 2>&1 || true
+  stop_cluster
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-export PGHOST=127.0.0.1 PGPORT=$PORT PGUSER=postgres
-PM=$(head -1 "$WORK/pg/data/postmaster.pid")
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
-
-# The cluster's CPU ticks (ticks) and settle: benches/cluster.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
-
 
 # The text of `const NAME: &str = "...";` in a revision's src/store/postgres.rs.
 sql_const() { # rev name
