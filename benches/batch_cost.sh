@@ -33,19 +33,10 @@ CLIENTS=${CLIENTS:-32}
 BATCH=${BATCH:-8}
 RATE=${RATE:-3000}
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-HZ=$(getconf CLK_TCK)
 
-# start_cluster, stop_cluster, ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
-cleanup() {
-  stop_cluster
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 cat >"$WORK/schema.sql" <<'SQL'
 CREATE TABLE idemgate_keys (

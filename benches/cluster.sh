@@ -1,6 +1,19 @@
-# Sourced by the benchmark scripts: a throwaway PostgreSQL cluster (start_cluster), CPU
-# accounting of it from /proc (ticks), and waiting for a database's backends to be gone
-# (settle).
+# Sourced by the benchmark scripts: a work directory, a throwaway PostgreSQL cluster
+# (start_cluster), CPU accounting of it from /proc (ticks), and waiting for a database's
+# backends to be gone (settle).
+
+# What every script gets: a work directory removed at exit with the cluster (a script that
+# starts more, like a pooler, redefines cleanup), the clock tick for /proc times, and psql.
+# Needs PGBIN.
+WORK=$(mktemp -d)
+chmod 755 "$WORK"
+HZ=$(getconf CLK_TCK)
+psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
+cleanup() {
+  stop_cluster
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
 
 # Runs a command as the postgres user when running as root (initdb refuses root).
 as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
@@ -9,7 +22,7 @@ free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1
 
 # Starts a cluster with stock settings (fsync and synchronous_commit on) under $WORK/pg, from
 # $PGBIN, on a free port; sets PORT and PM (the postmaster's pid) and points libpq's
-# environment at it. The caller stops it: stop_cluster, in its EXIT trap.
+# environment at it. cleanup stops it at exit.
 start_cluster() {
   PORT=$(free_port)
   mkdir -p "$WORK/pg"

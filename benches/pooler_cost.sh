@@ -50,11 +50,8 @@ BODIES=${BODIES:-100 1000}
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 PGBOUNCER=${PGBOUNCER:-$(command -v pgbouncer || echo /usr/sbin/pgbouncer)}
 ROOT=$(git rev-parse --show-toplevel)
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-HZ=$(getconf CLK_TCK)
 
-# start_cluster, stop_cluster, ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
 BPORT=$(free_port)
@@ -89,7 +86,6 @@ cleanup() {
 trap cleanup EXIT
 for _ in $(seq 100); do [[ -s $WORK/bouncer/pgbouncer.pid ]] && break; sleep 0.1; done
 BPID=$(cat "$WORK/bouncer/pgbouncer.pid")
-psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 # CPU ticks of one process (utime + stime).
 own_ticks() { # pid

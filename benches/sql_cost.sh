@@ -29,19 +29,10 @@ DUR=${DUR:-10}
 CLIENTS=${CLIENTS:-32}
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 ROOT=$(git rev-parse --show-toplevel)
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-HZ=$(getconf CLK_TCK)
 
-# start_cluster, stop_cluster, ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
-cleanup() {
-  stop_cluster
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 
 # The text of `const NAME: &str = "...";` in a revision's src/store/postgres.rs.
 sql_const() { # rev name
