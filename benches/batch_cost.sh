@@ -34,16 +34,10 @@ BATCH=${BATCH:-8}
 RATE=${RATE:-3000}
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 
-# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster (stopped at exit), bare_schema and measure_pgbench:
+# benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
-
-cat >"$WORK/schema.sql" <<'SQL'
-CREATE TABLE idemgate_keys (
-    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, state smallint NOT NULL,
-    lease_token uuid, lease_expires_at timestamptz, status smallint, headers bytea, body bytea,
-    expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key));
-SQL
 
 # Key i of a pgbench transaction, and its lease token.
 key() { echo "'k-' || :client_id || '-' || :n$1"; }
@@ -99,22 +93,14 @@ PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1 -R "$TXN_RATE"
   -D "fp=$FP" -D "headers=content-type: application/json" -D 'body={"ok":true}')
 
 run() { # which round
-  local which=$1 round=$2 db=${1}_$2 a b n done_keys
+  local which=$1 round=$2 db=${1}_$2 n done_keys
   psql_q -c "CREATE DATABASE $db" postgres
-  psql_q -f "$WORK/schema.sql" "$db"
-  "${PGB[@]}" -T 2 -f "$WORK/$which.sql" "$db" >"$WORK/$db.warm.log" 2>&1 ||
-    { echo "pgbench failed:"; tail -3 "$WORK/$db.warm.log"; exit 1; }
-  psql_q -c CHECKPOINT "$db"
-  settle "$db"
-  a=$(ticks)
-  "${PGB[@]}" -T "$DUR" -f "$WORK/$which.sql" "$db" >"$WORK/$db.log" 2>&1 ||
-    { echo "pgbench failed:"; tail -3 "$WORK/$db.log"; exit 1; }
-  settle "$db"
-  b=$(ticks)
-  n=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$WORK/$db.log")
+  bare_schema "$db"
+  measure_pgbench "$WORK/$which.sql" "$db"
+  n=$TXNS
   n=$((n * BATCH))
   done_keys=$(psql_q -tA -c "SELECT count(*) FILTER (WHERE state = 1) || ' of ' || count(*) FROM idemgate_keys" "$db")
-  awk -v w="$which" -v r="$round" -v n="$n" -v d=$((b - a)) -v hz="$HZ" -v dur="$DUR" -v k="$done_keys" \
+  awk -v w="$which" -v r="$round" -v n="$n" -v d="$TICKS" -v hz="$HZ" -v dur="$DUR" -v k="$done_keys" \
     'BEGIN { printf "| %d | %s | %.0f | %.0f | %s |\n", r, w, n / dur, d / hz * 1e6 / n, k }'
   psql_q -c "DROP DATABASE $db" postgres
 }

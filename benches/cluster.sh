@@ -1,6 +1,6 @@
 # Sourced by the benchmark scripts: a work directory, a throwaway PostgreSQL cluster
-# (start_cluster), CPU accounting of it from /proc (ticks), and waiting for a database's
-# backends to be gone (settle).
+# (start_cluster), CPU accounting of it from /proc (ticks), waiting for a database's
+# backends to be gone (settle), and one measured pgbench run (measure_pgbench).
 
 # What every script gets: a work directory removed at exit with the cluster (a script that
 # starts more, like a pooler, redefines cleanup), the clock tick for /proc times, and psql.
@@ -75,4 +75,33 @@ settle() {
       [[ -z $(ps -o stat= --ppid "$PM" | grep Z) ]] && return
     sleep 0.1
   done
+}
+
+# Runs pgbench (the array PGB) with a script against a database: 2 s of warm-up, a
+# checkpoint, then DUR seconds measured. Sets TXNS (transactions pgbench completed in the
+# measured run) and TICKS (the cluster's CPU ticks over it). Exits on a pgbench failure.
+measure_pgbench() { # script db
+  local log=$WORK/$2.log a b
+  "${PGB[@]}" -T 2 -f "$1" "$2" >"$log.warm" 2>&1 ||
+    { echo "pgbench failed:"; tail -3 "$log.warm"; exit 1; }
+  psql_q -c CHECKPOINT "$2"
+  settle "$2"
+  a=$(ticks)
+  "${PGB[@]}" -T "$DUR" -f "$1" "$2" >"$log" 2>&1 ||
+    { echo "pgbench failed:"; tail -3 "$log"; exit 1; }
+  settle "$2"
+  b=$(ticks)
+  TXNS=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$log")
+  TICKS=$((b - a))
+}
+
+# Creates the bare pair's table in a database: the db-limit anchor of the shared perf
+# harness (primary key only, nothing else indexed, no constraints beyond NOT NULL).
+bare_schema() { # db
+  psql_q "$1" <<'SQL'
+CREATE TABLE idemgate_keys (
+    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, state smallint NOT NULL,
+    lease_token uuid, lease_expires_at timestamptz, status smallint, headers bytea, body bytea,
+    expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key));
+SQL
 }

@@ -30,7 +30,8 @@ CLIENTS=${CLIENTS:-32}
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 ROOT=$(git rev-parse --show-toplevel)
 
-# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster (stopped at exit), bare_schema and measure_pgbench:
+# benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
 
@@ -71,12 +72,6 @@ schema_for() { # rev db
   done
 }
 
-cat >"$WORK/bare_schema.sql" <<'SQL'
-CREATE TABLE idemgate_keys (
-    scope text NOT NULL, key text NOT NULL, fingerprint bytea NOT NULL, state smallint NOT NULL,
-    lease_token uuid, lease_expires_at timestamptz, status smallint, headers bytea, body bytea,
-    expires_at timestamptz NOT NULL, PRIMARY KEY (scope, key));
-SQL
 cat >"$WORK/bare.sql" <<'SQL'
 \set c1 random(0, 99)
 \set c2 random(1, 9000000000000000000)
@@ -99,27 +94,19 @@ PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1 ${RATE:+-R "$RATE"}
   -D f8=86400000 -D f9=0123456789abcdef)
 
 run() { # which round
-  local which=$1 round=$2 db=${1}_$2 a b n hot
+  local which=$1 round=$2 db=${1}_$2 n hot
   psql_q -c "CREATE DATABASE $db" postgres
   case $which in
     before) schema_for "$BEFORE" "$db" ;;
     after) schema_for "$AFTER" "$db" ;;
-    bare) psql_q -f "$WORK/bare_schema.sql" "$db" ;;
+    bare) bare_schema "$db" ;;
   esac
-  "${PGB[@]}" -T 2 -f "$WORK/$which.sql" "$db" >"$WORK/$db.warm.log" 2>&1 ||
-    { echo "pgbench failed:"; tail -3 "$WORK/$db.warm.log"; exit 1; }
-  psql_q -c CHECKPOINT "$db"
-  settle "$db"
-  a=$(ticks)
-  "${PGB[@]}" -T "$DUR" -f "$WORK/$which.sql" "$db" >"$WORK/$db.log" 2>&1 ||
-    { echo "pgbench failed:"; tail -3 "$WORK/$db.log"; exit 1; }
-  settle "$db"
-  b=$(ticks)
-  n=$(sed -n 's/^number of transactions actually processed: \([0-9]*\).*/\1/p' "$WORK/$db.log")
+  measure_pgbench "$WORK/$which.sql" "$db"
+  n=$TXNS
   sleep 2 # the backends report their table counters within a second or so of going idle
   hot=$(psql_q -tA -c "SELECT n_tup_hot_upd || ' of ' || n_tup_upd FROM pg_stat_user_tables
                         WHERE relname = 'idemgate_keys'" "$db")
-  awk -v w="$which" -v r="$round" -v n="$n" -v d=$((b - a)) -v hz="$HZ" -v dur="$DUR" -v hot="$hot" \
+  awk -v w="$which" -v r="$round" -v n="$n" -v d="$TICKS" -v hz="$HZ" -v dur="$DUR" -v hot="$hot" \
     'BEGIN { printf "| %d | %s | %.0f | %.0f | %s |\n", r, w, n / dur, d / hz * 1e6 / n, hot }'
   psql_q -c "DROP DATABASE $db" postgres
 }
