@@ -7,8 +7,9 @@
 #
 # Four pgbench scripts on the bare pair's table (the db-limit anchor of the shared perf
 # harness: primary key only), each handling BATCH new keys per pgbench transaction:
-#   single        each key claimed and completed by its own statements, one commit each
-#                 (the bare pair, what the gateway does today)
+#   single        each key claimed and completed by statements of its own, one commit
+#                 each: the BATCH claims, then the BATCH completions (the bare pair's
+#                 statements, what the gateway does today)
 #   claims        the BATCH claims in one multi-row INSERT ... ON CONFLICT DO NOTHING
 #                 RETURNING, the completions one by one
 #   completions   the claims one by one, the BATCH completions in one UPDATE ... FROM
@@ -23,8 +24,10 @@
 # runs the four interleaved for ROUNDS rounds, and prints, per run, keys/s, the CPU time of the
 # whole cluster per key (postmaster, backends, background processes; /proc), and how many
 # keys ended completed. Environment: ROUNDS (2), DUR seconds per run (10), CLIENTS (32),
-# BATCH (8), RATE (3000), PGBIN (the newest /usr/lib/postgresql/*/bin). Run as root (the
-# cluster then runs as the postgres user) or as a user who may run initdb.
+# BATCH (8; at most 51: pgbench passes at most 255 parameters to a statement, and a claim
+# row takes 5), RATE (3000; a multiple of BATCH), PGBIN (the newest
+# /usr/lib/postgresql/*/bin). Run as root (the cluster then runs as the postgres user) or
+# as a user who may run initdb.
 set -euo pipefail
 
 ROUNDS=${ROUNDS:-2}
@@ -32,6 +35,10 @@ DUR=${DUR:-10}
 CLIENTS=${CLIENTS:-32}
 BATCH=${BATCH:-8}
 RATE=${RATE:-3000}
+if ((BATCH < 1 || BATCH > 51 || RATE < BATCH || RATE % BATCH != 0)); then
+  echo "batch_cost.sh: BATCH must be 1 to 51 and RATE a multiple of it (BATCH=$BATCH RATE=$RATE)" >&2
+  exit 2
+fi
 PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 
 # WORK, HZ, psql_q, start_cluster (stopped at exit), bare_schema and measure_pgbench:

@@ -270,7 +270,7 @@ fn run_in_stage(workdir: &Path, ins: &Instruction, env: &[(String, String)]) {
     cmd.envs(env.iter().map(|(k, v)| (k, v)))
         .env("CARGO_NET_OFFLINE", "true")
         .env("CARGO_PROFILE_RELEASE_OPT_LEVEL", "0")
-        .env("CARGO_PROFILE_RELEASE_LTO", "false")
+        .env("CARGO_PROFILE_RELEASE_LTO", "off")
         .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16")
         .env("CARGO_TERM_COLOR", "never")
         .current_dir(workdir);
