@@ -46,12 +46,13 @@ PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
 
-# Key i of a pgbench transaction, and its lease token.
+# The transaction's scope, key i of it, and key i's lease token.
+SCOPE="('acct-' || :a)"
 key() { echo "'k-' || :client_id || '-' || :n$1"; }
 token() { echo "md5(:n$1::text)::uuid"; }
 SET="state = 1, status = 200, headers = :headers, body = :body, lease_expires_at = NULL,
        expires_at = now() + interval '24 hours'"
-claim_row() { echo "(('acct-' || :a), $(key "$1"), :fp, 0, $(token "$1"), now() + interval '30 seconds', now() + interval '24 hours')"; }
+claim_row() { echo "($SCOPE, $(key "$1"), :fp, 0, $(token "$1"), now() + interval '30 seconds', now() + interval '24 hours')"; }
 claim_head="INSERT INTO idemgate_keys (scope, key, fingerprint, state, lease_token, lease_expires_at, expires_at) VALUES"
 
 claims_one_by_one() {
@@ -69,14 +70,14 @@ claims_batched() {
 completions_one_by_one() {
   local i
   for i in $(seq "$BATCH"); do
-    echo "UPDATE idemgate_keys SET $SET WHERE scope = ('acct-' || :a) AND key = $(key "$i") AND lease_token = $(token "$i");" |
+    echo "UPDATE idemgate_keys SET $SET WHERE scope = $SCOPE AND key = $(key "$i") AND lease_token = $(token "$i");" |
       tr '\n' ' '
     echo
   done
 }
 completions_batched() {
   local i rows=()
-  for i in $(seq "$BATCH"); do rows+=("(('acct-' || :a), $(key "$i"), $(token "$i"))"); done
+  for i in $(seq "$BATCH"); do rows+=("($SCOPE, $(key "$i"), $(token "$i"))"); done
   local IFS=,
   echo "UPDATE idemgate_keys t SET $SET FROM (VALUES ${rows[*]}) v(s, k, tok)
         WHERE t.scope = v.s AND t.key = v.k AND t.lease_token = v.tok RETURNING t.key;" | tr '\n' ' '
@@ -104,8 +105,7 @@ run() { # which round
   psql_q -c "CREATE DATABASE $db" postgres
   bare_schema "$db"
   measure_pgbench "$WORK/$which.sql" "$db"
-  n=$TXNS
-  n=$((n * BATCH))
+  n=$((TXNS * BATCH))
   done_keys=$(psql_q -tA -c "SELECT count(*) FILTER (WHERE state = 1) || ' of ' || count(*) FROM idemgate_keys" "$db")
   awk -v w="$which" -v r="$round" -v n="$n" -v d="$TICKS" -v hz="$HZ" -v dur="$DUR" -v k="$done_keys" \
     'BEGIN { printf "| %d | %s | %.0f | %.0f | %s |\n", r, w, n / dur, d / hz * 1e6 / n, k }'

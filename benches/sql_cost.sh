@@ -94,7 +94,7 @@ PGB=("$PGBIN/pgbench" -n -M prepared -c "$CLIENTS" -j 1 ${RATE:+-R "$RATE"}
   -D f8=86400000 -D f9=0123456789abcdef)
 
 run() { # which round
-  local which=$1 round=$2 db=${1}_$2 n hot
+  local which=$1 round=$2 db=${1}_$2 hot
   psql_q -c "CREATE DATABASE $db" postgres
   case $which in
     before) schema_for "$BEFORE" "$db" ;;
@@ -102,11 +102,10 @@ run() { # which round
     bare) bare_schema "$db" ;;
   esac
   measure_pgbench "$WORK/$which.sql" "$db"
-  n=$TXNS
   sleep 2 # the backends report their table counters within a second or so of going idle
   hot=$(psql_q -tA -c "SELECT n_tup_hot_upd || ' of ' || n_tup_upd FROM pg_stat_user_tables
                         WHERE relname = 'idemgate_keys'" "$db")
-  awk -v w="$which" -v r="$round" -v n="$n" -v d="$TICKS" -v hz="$HZ" -v dur="$DUR" -v hot="$hot" \
+  awk -v w="$which" -v r="$round" -v n="$TXNS" -v d="$TICKS" -v hz="$HZ" -v dur="$DUR" -v hot="$hot" \
     'BEGIN { printf "| %d | %s | %.0f | %.0f | %s |\n", r, w, n / dur, d / hz * 1e6 / n, hot }'
   psql_q -c "DROP DATABASE $db" postgres
 }
