@@ -11,7 +11,9 @@
 //! - `idemgate_upstream_latency_seconds{route}`: from sending the request to the whole
 //!   response (keyed) or its head (pass-through).
 //! - `idemgate_store_latency_seconds{op}` and `idemgate_store_pool_wait_seconds`: recorded
-//!   by the store.
+//!   by the store. `idemgate_store_batch_keys{op}`: keys per statement of the Postgres
+//!   store's batched claims (`claim_new`) and completions (`finish`); its count is the
+//!   statements, its sum the keys.
 //! - `idemgate_forwards_in_flight`, `idemgate_store_pool_connections{state}`,
 //!   `idemgate_replay_cache_bytes`, `idemgate_wakeups_healthy`: gauges read at scrape time.
 //! - `idemgate_upstream_in_flight{upstream}` and `idemgate_buffered_bytes`: the admission
@@ -135,6 +137,11 @@ fn latency_buckets() -> Histogram {
     Histogram::new(exponential_buckets(0.0001, 2.0, 20))
 }
 
+fn batch_buckets() -> Histogram {
+    // 1 to 256 keys per statement.
+    Histogram::new(exponential_buckets(1.0, 2.0, 9))
+}
+
 /// Store-side metrics, shared (cheap clones) between the store that records them and the
 /// registry that exposes them.
 #[derive(Clone)]
@@ -142,6 +149,7 @@ pub struct StoreMetrics {
     pub latency: Family<OpLabel, Histogram>,
     pub pool_wait: Histogram,
     pub pool: Family<StateLabel, Gauge>,
+    pub batch: Family<OpLabel, Histogram>,
 }
 
 impl Default for StoreMetrics {
@@ -150,11 +158,19 @@ impl Default for StoreMetrics {
             latency: Family::new_with_constructor(latency_buckets),
             pool_wait: latency_buckets(),
             pool: Family::default(),
+            batch: Family::new_with_constructor(batch_buckets),
         }
     }
 }
 
 impl StoreMetrics {
+    /// One statement of a batched operation carried `keys` keys.
+    pub fn batch(&self, op: &'static str, keys: usize) {
+        self.batch
+            .get_or_create(&OpLabel { op })
+            .observe(keys as f64);
+    }
+
     pub fn observe(&self, op: &'static str, took: Duration) {
         self.latency
             .get_or_create(&OpLabel { op })
@@ -275,6 +291,11 @@ impl Metrics {
             "store_pool_wait_seconds",
             "Time spent waiting for a pooled store connection",
             store.pool_wait.clone(),
+        );
+        registry.register(
+            "store_batch_keys",
+            "Keys per statement of the store's batched claims and completions",
+            store.batch.clone(),
         );
         registry.register(
             "store_pool_connections",

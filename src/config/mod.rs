@@ -251,6 +251,8 @@ pub struct PostgresConfig {
     /// What `url` points at: PostgreSQL itself or a pooler in transaction mode.
     pub pooler: Pooler,
     pub pool_size: usize,
+    /// The most keys one batched claim or completion carries (1: no batches).
+    pub batch_keys: usize,
     /// Bound on waiting for a pooled connection (including creating one).
     pub acquire_timeout: Duration,
     /// Bound on opening one new connection.
@@ -272,6 +274,7 @@ impl std::fmt::Debug for PostgresConfig {
         f.debug_struct("PostgresConfig")
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
+            .field("batch_keys", &self.batch_keys)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
@@ -531,6 +534,7 @@ pub mod defaults {
     pub const MAX_BUFFERED_BYTES: usize = 256 * 1024 * 1024;
     pub const UPSTREAM_MAX_IN_FLIGHT: usize = 1024;
     pub const POOL_SIZE: usize = 16;
+    pub const BATCH_KEYS: usize = 32;
     pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
     pub const GC_BATCH_SIZE: usize = 1000;
@@ -753,6 +757,37 @@ routes:
         assert!(idem.retry_statuses.contains(429));
         assert!(!idem.retry_statuses.contains(404));
         assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
+    }
+
+    #[test]
+    fn batch_keys_defaults_to_32_and_is_bounded() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        let StoreConfig::Postgres(pg) = &c.store else {
+            panic!("a postgres store: {:?}", c.store)
+        };
+        assert_eq!(pg.batch_keys, 32);
+        for (value, ok) in [("0", false), ("1", true), ("1000", true), ("1001", false)] {
+            let yaml = MINIMAL.replace(
+                r#"url: "postgres://u@localhost/db" }"#,
+                &format!(r#"url: "postgres://u@localhost/db", batch_keys: {value} }}"#),
+            );
+            match Config::from_yaml(&yaml) {
+                Ok(c) => {
+                    assert!(ok, "batch_keys {value} was accepted");
+                    let StoreConfig::Postgres(pg) = &c.store else {
+                        panic!("a postgres store")
+                    };
+                    assert_eq!(pg.batch_keys.to_string(), value);
+                }
+                Err(e) => {
+                    assert!(!ok, "batch_keys {value} was refused: {e}");
+                    assert_eq!(
+                        e.to_string(),
+                        "store.postgres.batch_keys: must be from 1 to 1000"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

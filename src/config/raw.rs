@@ -159,6 +159,9 @@ pub(super) struct RawPostgres {
     pub(super) pooler: Option<String>,
     /// `store.postgres.pool_size`: pooled connections. Default `16`, at least 1.
     pub(super) pool_size: Option<usize>,
+    /// `store.postgres.batch_keys`: the most keys one statement claims or completes for
+    /// requests waiting together. Default `32`, 1 to 1000; `1` sends every key alone.
+    pub(super) batch_keys: Option<usize>,
     /// `store.postgres.acquire_timeout`: longest wait for a pooled connection, creating one
     /// included. Default `500ms`.
     pub(super) acquire_timeout: Option<String>,

@@ -266,7 +266,15 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
     if pool_size == 0 {
         return Err(invalid("store.postgres.pool_size", "must be at least 1"));
     }
+    let batch_keys = pg.batch_keys.unwrap_or(defaults::BATCH_KEYS);
+    if !(1..=1000).contains(&batch_keys) {
+        return Err(invalid(
+            "store.postgres.batch_keys",
+            "must be from 1 to 1000",
+        ));
+    }
     Ok(PostgresConfig {
+        batch_keys,
         listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
         url: pg.url,
         pooler,

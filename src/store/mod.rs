@@ -19,6 +19,7 @@
 
 #[cfg(test)]
 mod model;
+mod pg_batch;
 pub mod pg_cancel;
 pub mod pg_listener;
 pub mod postgres;
@@ -39,7 +40,7 @@ use wakeups::Wakeups;
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// Why the store could not answer. Every variant means: assume nothing was written.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("timed out waiting for a database connection")]
     AcquireTimeout,

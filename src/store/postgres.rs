@@ -13,6 +13,17 @@
 //!   is safe to act on (it says "in flight", and waiting looks again). The plain insert needs
 //!   no such care: it either inserts, or waits for a concurrent writer of the key and then
 //!   leaves the decision to the full statement, whose snapshot is taken after that wait.
+//! - New keys waiting at the same moment are claimed together, and completions waiting at
+//!   the same moment are written together (`batch_keys`, see [`super::pg_batch`]): one
+//!   statement and one commit for several keys, each key with its own answer. The batched
+//!   claim (`CLAIM_NEW_BATCH_SQL`) is the plain insert for several rows; a key it did not
+//!   insert exists and goes to the full claim, alone, exactly as after the plain insert. The
+//!   batched completion (`FINISH_BATCH_SQL`) is the fenced completion for several rows, each
+//!   fenced by its own lease token, and it names each key it wrote. A batch of one sends the
+//!   single-key statement. A key appears once per batch, and batches are sorted by key, so
+//!   concurrent batches take row locks in one order. The batched completion is planned at
+//!   every call (unnamed): it joins the keys table, and a plan cached while the table was
+//!   small would scan it whole once it is large.
 //! - An expired lease is taken over only by the same request (same fingerprint); a
 //!   different request under that key is a mismatch, as for a live one.
 //! - An in-flight row whose lease expired is taken over, unless the route holds unknown
@@ -59,12 +70,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
+use tokio::sync::oneshot;
 use tokio_postgres::NoTls;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::pg_batch::{Item, Queue};
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
@@ -130,6 +143,31 @@ pub const CLAIM_NEW_TYPES: &[Type] = &[
 /// in transaction mode: the function's plan is cached per server session, which the pooler
 /// keeps, where the statement itself would be parsed and planned on every call.
 const CLAIM_NEW_CALL: &str = "SELECT idemgate_claim_new($1, $2, $3, $4, $5, $6)";
+
+/// [`CLAIM_NEW_SQL`] for several keys in one statement and one commit (the rows of the
+/// arrays, in order, one key once), sent only for two keys or more. Each key inserted comes
+/// back with its lease token; a key that does not come back exists, and the full claim
+/// ([`CLAIM_SQL`]) decides it.
+const CLAIM_NEW_BATCH_SQL: &str = "
+INSERT INTO idemgate_keys
+    (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
+     created_at, expires_at, gc_after)
+SELECT v.scope, v.key, v.route, v.fingerprint, 'in_flight', gen_random_uuid(),
+       now() + v.lease_ms * interval '1 millisecond', 1,
+       now(), now() + v.ttl_ms * interval '1 millisecond',
+       now() + v.ttl_ms * interval '1 millisecond'
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[])
+       AS v(scope, key, route, fingerprint, lease_ms, ttl_ms)
+ON CONFLICT (scope, key) DO NOTHING
+RETURNING scope, key, lease_token::text";
+const CLAIM_NEW_BATCH_TYPES: &[Type] = &[
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::BYTEA_ARRAY,
+    Type::INT8_ARRAY,
+    Type::INT8_ARRAY,
+];
 
 /// The claim when the key exists: takes it over when claimable, or reads what is there.
 const CLAIM_SQL: &str = "
@@ -230,6 +268,38 @@ pub const FINISH_TYPES: &[Type] = &[
 /// one row back, `true` when the row was written.
 const FINISH_CALL: &str = "SELECT idemgate_finish($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
+/// [`FINISH_SQL`] for several keys in one statement and one commit (one key once), sent only
+/// for two keys or more: each key is fenced by its own lease token and guarded the same way,
+/// and each key written comes back (announced when someone waits for it).
+const FINISH_BATCH_SQL: &str = "
+UPDATE idemgate_keys k
+   SET state = CASE
+           WHEN v.state = 'completed'
+                AND v.status IS NOT NULL AND v.headers IS NOT NULL AND v.body IS NOT NULL
+               THEN 'completed'
+           WHEN v.state IN ('not_replayable', 'unknown') THEN v.state
+       END,
+       status = v.status, headers = v.headers, body = v.body,
+       lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
+       expires_at = now() + v.ttl_ms * interval '1 millisecond'
+  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::integer[], $6::bytea[],
+              $7::bytea[], $8::bigint[], $9::text[])
+       AS v(scope, key, token, state, status, headers, body, ttl_ms, id)
+ WHERE k.scope = v.scope AND k.key = v.key AND k.lease_token = v.token::uuid
+   AND k.state = 'in_flight'
+RETURNING k.scope, k.key, CASE WHEN k.waiters THEN pg_notify('idemgate_keys', v.id) END";
+const FINISH_BATCH_TYPES: &[Type] = &[
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::TEXT_ARRAY,
+    Type::INT4_ARRAY,
+    Type::BYTEA_ARRAY,
+    Type::BYTEA_ARRAY,
+    Type::INT8_ARRAY,
+    Type::TEXT_ARRAY,
+];
+
 /// The release of a claimed attempt (a retry forwards again), announced like a completion.
 const RELEASE_SQL: &str = "
 DELETE FROM idemgate_keys
@@ -321,22 +391,31 @@ enum Found {
 }
 
 pub struct PgStore {
+    /// What a statement on a pooled connection needs; shared with the batch dispatchers.
+    db: Arc<Db>,
+    /// The wake-up listener's own connection (`listen_url`, a direct session).
+    listen: tokio_postgres::Config,
+    wakeups: Arc<Wakeups>,
+    listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// `store.postgres.allow_async_commit`.
+    allow_async_commit: bool,
+    /// The queues of new-key claims and completions (see [`super::pg_batch`]); `None` with
+    /// `batch_keys: 1`, where every key runs its own statements on its own connection.
+    batches: Option<Batches>,
+}
+
+/// The pool and how statements on it are sent and bounded.
+pub(super) struct Db {
     pool: Pool,
     /// The pool's connection config (`url`), for cancel requests.
     pg: tokio_postgres::Config,
-    /// The wake-up listener's own connection (`listen_url`, a direct session).
-    listen: tokio_postgres::Config,
     /// What `url` points at; decides how statements are sent and bounded.
-    pooler: Pooler,
-    acquire_timeout: Duration,
+    pub(super) pooler: Pooler,
+    pub(super) acquire_timeout: Duration,
     statement_timeout: Duration,
-    wakeups: Arc<Wakeups>,
-    listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-    metrics: StoreMetrics,
+    pub(super) metrics: StoreMetrics,
     /// The TLS connector (`tls.mode` require or verify-full), shared with the listener.
     tls: Option<MakeRustlsConnect>,
-    /// `store.postgres.allow_async_commit`.
-    allow_async_commit: bool,
 }
 
 impl Drop for PgStore {
@@ -405,6 +484,87 @@ impl Conn<'_> {
         }
     }
 
+    /// The claim of one new key ([`CLAIM_NEW_SQL`], or its function behind a pooler): its
+    /// lease token, or `None` when the key exists.
+    async fn claim_new(
+        &self,
+        k: NewKeyParams<'_>,
+    ) -> Result<Option<String>, tokio_postgres::Error> {
+        let params: &[&(dyn ToSql + Sync)] = &[
+            &k.scope,
+            &k.key,
+            &k.route,
+            &k.fingerprint,
+            &k.lease_ms,
+            &k.ttl_ms,
+        ];
+        Ok(match self.pooler {
+            Pooler::None => self
+                .query_opt(CLAIM_NEW_SQL, CLAIM_NEW_TYPES, params)
+                .await?
+                .map(|row| row.get(0)),
+            // The same statement in a function whose plan the server session keeps
+            // (migrations/0006): NULL when the key exists.
+            Pooler::Transaction => self
+                .query_opt(CLAIM_NEW_CALL, CLAIM_NEW_TYPES, params)
+                .await?
+                .and_then(|row| row.get(0)),
+        })
+    }
+
+    /// The end of one attempt, fenced by its lease token: the completion ([`FINISH_SQL`], or
+    /// its function behind a pooler), or the release ([`RELEASE_SQL`]). Whether it wrote.
+    async fn finish_one(
+        &self,
+        f: FinishParams<'_>,
+        outcome: &Outcome,
+    ) -> Result<bool, tokio_postgres::Error> {
+        let FinishParams {
+            scope,
+            key,
+            token,
+            ttl_ms,
+            id,
+        } = f;
+        if let Outcome::Release = outcome {
+            return Ok(self
+                .query_opt(RELEASE_SQL, RELEASE_TYPES, &[&scope, &key, &token, &id])
+                .await?
+                .is_some());
+        }
+        let FinishRow {
+            state,
+            status,
+            headers,
+            body,
+        } = FinishRow::of(outcome);
+        let params: &[&(dyn ToSql + Sync)] = &[
+            &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
+        ];
+        Ok(match self.pooler {
+            Pooler::None => self
+                .query_opt(FINISH_SQL, FINISH_TYPES, params)
+                .await?
+                .is_some(),
+            // The same statement in a function (migrations/0006): whether it wrote the row.
+            Pooler::Transaction => self
+                .query_opt(FINISH_CALL, FINISH_TYPES, params)
+                .await?
+                .is_some_and(|row| row.get::<_, bool>(0)),
+        })
+    }
+
+    /// A statement planned at every call for the values it is given (unnamed, one round
+    /// trip), whatever the pooler: for a statement whose best plan depends on them.
+    async fn unnamed(
+        &self,
+        sql: &str,
+        types: &[Type],
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Vec<tokio_postgres::Row>, tokio_postgres::Error> {
+        self.obj.query_typed(sql, &typed(params, types)).await
+    }
+
     /// A rare statement without parameters, unnamed whatever the pooler.
     async fn unnamed_one(&self, sql: &str) -> Result<tokio_postgres::Row, tokio_postgres::Error> {
         self.obj.query_typed_one(sql, &[]).await
@@ -459,121 +619,20 @@ fn pg_error(e: tokio_postgres::Error) -> StoreError {
     StoreError::Db(crate::forward::error_chain(&e))
 }
 
-impl PgStore {
-    /// Builds the pool. Connections are opened lazily, so this succeeds with Postgres down.
-    pub fn new(cfg: &PostgresConfig) -> Result<PgStore, StoreError> {
-        let mut pg: tokio_postgres::Config = cfg
-            .url
-            .parse()
-            .map_err(|_| StoreError::Connect("invalid connection string".into()))?;
-        pg.connect_timeout(cfg.connect_timeout);
-        pg.application_name("idemgate");
-        if cfg.pooler == Pooler::None {
-            // A pooler refuses startup options it does not know (PgBouncer: `options`),
-            // and would not keep them per client anyway; behind one the client keeps the bound.
-            pg.options(format!(
-                "-c statement_timeout={}",
-                cfg.statement_timeout.as_millis()
-            ));
-        }
-        let mut listen: tokio_postgres::Config = cfg
-            .listen_url
-            .parse()
-            .map_err(|_| StoreError::Connect("invalid listen connection string".into()))?;
-        listen.connect_timeout(cfg.connect_timeout);
-        let tls = match cfg.tls {
-            PgTlsMode::Disable => {
-                pg.ssl_mode(SslMode::Disable);
-                listen.ssl_mode(SslMode::Disable);
-                None
-            }
-            PgTlsMode::Require => {
-                pg.ssl_mode(SslMode::Require);
-                listen.ssl_mode(SslMode::Require);
-                Some(MakeRustlsConnect::new(
-                    crate::tls::unverified_client_config().map_err(StoreError::Connect)?,
-                ))
-            }
-            PgTlsMode::VerifyFull => {
-                pg.ssl_mode(SslMode::Require);
-                listen.ssl_mode(SslMode::Require);
-                Some(MakeRustlsConnect::new(
-                    crate::tls::client_config(cfg.tls_ca.as_deref())
-                        .map_err(StoreError::Connect)?,
-                ))
-            }
-        };
-        let manager_config = ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
-        };
-        let mgr = match &tls {
-            None => Manager::from_config(pg.clone(), NoTls, manager_config),
-            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
-        };
-        let pool = Pool::builder(mgr)
-            .max_size(cfg.pool_size)
-            .runtime(Runtime::Tokio1)
-            .wait_timeout(Some(cfg.acquire_timeout))
-            .create_timeout(Some(cfg.connect_timeout.min(cfg.acquire_timeout)))
-            .recycle_timeout(Some(cfg.acquire_timeout))
-            .build()
-            .map_err(|e| StoreError::Db(e.to_string()))?;
-        Ok(PgStore {
-            pool,
-            pg,
-            listen,
-            pooler: cfg.pooler,
-            acquire_timeout: cfg.acquire_timeout,
-            statement_timeout: cfg.statement_timeout,
-            wakeups: Arc::default(),
-            listener: std::sync::Mutex::new(None),
-            metrics: StoreMetrics::default(),
-            tls,
-            allow_async_commit: cfg.allow_async_commit,
-        })
-    }
-
-    /// Refuses a `synchronous_commit` of `off` unless the configuration accepts it: with it,
-    /// the server acknowledges a commit before it is on disk, so a database crash can lose
-    /// an answer a client already holds (guarantee 3). Every other value (`on`, `local`,
-    /// `remote_write`, `remote_apply`) flushes the commit locally before acknowledging it.
-    fn check_commit_setting(&self, setting: &str) -> Result<(), StoreError> {
-        if setting != "off" || self.allow_async_commit {
-            return Ok(());
-        }
-        Err(StoreError::NotDurable(
-            "the database runs with synchronous_commit = off for this gateway: a crash of \
-             the database can lose stored answers that clients already got (guarantee 3). \
-             Turn it on for the gateway's role or database (ALTER ROLE ... SET \
-             synchronous_commit = on), or accept the risk with \
-             store.postgres.allow_async_commit: true"
-                .into(),
-        ))
-    }
-
-    /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
-    /// waiters for in-flight keys poll. Idempotent; must run inside a Tokio runtime.
-    pub fn start_listener(&self) {
-        let mut slot = self.listener.lock().expect("listener lock");
-        if slot.is_none() {
-            *slot = Some(tokio::spawn(super::pg_listener::run(
-                self.listen.clone(),
-                self.pool.clone(),
-                Arc::clone(&self.wakeups),
-                self.tls.clone(),
-            )));
-        }
-    }
-
-    /// The pool, for the gc, metrics and tests.
-    pub fn pool(&self) -> &Pool {
-        &self.pool
-    }
-
+impl Db {
     async fn conn(&self) -> Result<Object, StoreError> {
+        self.conn_by(tokio::time::Instant::now() + self.acquire_timeout)
+            .await
+    }
+
+    /// A pooled connection, waited for until `deadline` at the latest.
+    pub(super) async fn conn_by(
+        &self,
+        deadline: tokio::time::Instant,
+    ) -> Result<Object, StoreError> {
         use deadpool_postgres::PoolError;
         let started = std::time::Instant::now();
-        let got = tokio::time::timeout(self.acquire_timeout, self.pool.get()).await;
+        let got = tokio::time::timeout_at(deadline, self.pool.get()).await;
         self.metrics
             .pool_wait
             .observe(started.elapsed().as_secs_f64());
@@ -588,7 +647,7 @@ impl PgStore {
 
     /// Runs `f` on a pooled connection within the statement bound. On a client-side timeout
     /// the connection is detached (its statement may still be running), never reused.
-    async fn with_conn<T>(
+    pub(super) async fn with_conn<T>(
         &self,
         op: &'static str,
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
@@ -604,6 +663,16 @@ impl PgStore {
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
         let obj = self.conn().await?;
+        self.bounded(obj, f).await
+    }
+
+    /// Runs `f` on `obj` within the statement bound; the connection goes back to the pool
+    /// when it ended in time, and is detached (never reused) when it did not.
+    pub(super) async fn bounded<T>(
+        &self,
+        obj: Object,
+        f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<T, StoreError> {
         let ended = {
             let conn = Conn {
                 obj: &obj,
@@ -700,12 +769,128 @@ impl PgStore {
         .await?;
         Ok(tx)
     }
+}
+
+impl PgStore {
+    /// Builds the pool. Connections are opened lazily, so this succeeds with Postgres down.
+    pub fn new(cfg: &PostgresConfig) -> Result<PgStore, StoreError> {
+        let mut pg: tokio_postgres::Config = cfg
+            .url
+            .parse()
+            .map_err(|_| StoreError::Connect("invalid connection string".into()))?;
+        pg.connect_timeout(cfg.connect_timeout);
+        pg.application_name("idemgate");
+        if cfg.pooler == Pooler::None {
+            // A pooler refuses startup options it does not know (PgBouncer: `options`),
+            // and would not keep them per client anyway; behind one the client keeps the bound.
+            pg.options(format!(
+                "-c statement_timeout={}",
+                cfg.statement_timeout.as_millis()
+            ));
+        }
+        let mut listen: tokio_postgres::Config = cfg
+            .listen_url
+            .parse()
+            .map_err(|_| StoreError::Connect("invalid listen connection string".into()))?;
+        listen.connect_timeout(cfg.connect_timeout);
+        let tls = match cfg.tls {
+            PgTlsMode::Disable => {
+                pg.ssl_mode(SslMode::Disable);
+                listen.ssl_mode(SslMode::Disable);
+                None
+            }
+            PgTlsMode::Require => {
+                pg.ssl_mode(SslMode::Require);
+                listen.ssl_mode(SslMode::Require);
+                Some(MakeRustlsConnect::new(
+                    crate::tls::unverified_client_config().map_err(StoreError::Connect)?,
+                ))
+            }
+            PgTlsMode::VerifyFull => {
+                pg.ssl_mode(SslMode::Require);
+                listen.ssl_mode(SslMode::Require);
+                Some(MakeRustlsConnect::new(
+                    crate::tls::client_config(cfg.tls_ca.as_deref())
+                        .map_err(StoreError::Connect)?,
+                ))
+            }
+        };
+        let manager_config = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let mgr = match &tls {
+            None => Manager::from_config(pg.clone(), NoTls, manager_config),
+            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
+        };
+        let pool = Pool::builder(mgr)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(cfg.acquire_timeout))
+            .create_timeout(Some(cfg.connect_timeout.min(cfg.acquire_timeout)))
+            .recycle_timeout(Some(cfg.acquire_timeout))
+            .build()
+            .map_err(|e| StoreError::Db(e.to_string()))?;
+        let db = Arc::new(Db {
+            pool,
+            pg,
+            pooler: cfg.pooler,
+            acquire_timeout: cfg.acquire_timeout,
+            statement_timeout: cfg.statement_timeout,
+            metrics: StoreMetrics::default(),
+            tls,
+        });
+        Ok(PgStore {
+            batches: (cfg.batch_keys > 1).then(|| Batches::new(Arc::clone(&db), cfg.batch_keys)),
+            db,
+            listen,
+            wakeups: Arc::default(),
+            listener: std::sync::Mutex::new(None),
+            allow_async_commit: cfg.allow_async_commit,
+        })
+    }
+
+    /// Refuses a `synchronous_commit` of `off` unless the configuration accepts it: with it,
+    /// the server acknowledges a commit before it is on disk, so a database crash can lose
+    /// an answer a client already holds (guarantee 3). Every other value (`on`, `local`,
+    /// `remote_write`, `remote_apply`) flushes the commit locally before acknowledging it.
+    fn check_commit_setting(&self, setting: &str) -> Result<(), StoreError> {
+        if setting != "off" || self.allow_async_commit {
+            return Ok(());
+        }
+        Err(StoreError::NotDurable(
+            "the database runs with synchronous_commit = off for this gateway: a crash of \
+             the database can lose stored answers that clients already got (guarantee 3). \
+             Turn it on for the gateway's role or database (ALTER ROLE ... SET \
+             synchronous_commit = on), or accept the risk with \
+             store.postgres.allow_async_commit: true"
+                .into(),
+        ))
+    }
+
+    /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
+    /// waiters for in-flight keys poll. Idempotent; must run inside a Tokio runtime.
+    pub fn start_listener(&self) {
+        let mut slot = self.listener.lock().expect("listener lock");
+        if slot.is_none() {
+            *slot = Some(tokio::spawn(super::pg_listener::run(
+                self.listen.clone(),
+                self.db.pool.clone(),
+                Arc::clone(&self.wakeups),
+                self.db.tls.clone(),
+            )));
+        }
+    }
+
+    /// The pool, for the gc, metrics and tests.
+    pub fn pool(&self) -> &Pool {
+        &self.db.pool
+    }
 
     /// Applies pending migrations in one transaction under an advisory lock, so many
     /// instances may start at once. Returns how many were applied.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
-        let mut obj = self.conn().await?;
-        let tx = self.begin(&mut obj).await.map_err(pg_error)?;
+        let mut obj = self.db.conn().await?;
+        let tx = self.db.begin(&mut obj).await.map_err(pg_error)?;
         tx.execute_typed(
             "SELECT pg_advisory_xact_lock($1)",
             &[(&MIGRATION_LOCK, Type::INT8)],
@@ -757,22 +942,10 @@ impl PgStore {
         let ttl_ms = req.ttl.as_millis() as i64;
         let fp: &[u8] = req.fingerprint;
         let found = self
+            .db
             .with_conn("claim", async |c| {
                 if try_new {
-                    let params: &[&(dyn ToSql + Sync)] =
-                        &[&req.scope, &req.key, &req.route, &fp, &lease_ms, &ttl_ms];
-                    let token: Option<String> = match c.pooler {
-                        Pooler::None => c
-                            .query_opt(CLAIM_NEW_SQL, CLAIM_NEW_TYPES, params)
-                            .await?
-                            .map(|row| row.get(0)),
-                        // The same statement in a function whose plan the server session
-                        // keeps (migrations/0006): NULL when the key exists.
-                        Pooler::Transaction => c
-                            .query_opt(CLAIM_NEW_CALL, CLAIM_NEW_TYPES, params)
-                            .await?
-                            .and_then(|row| row.get(0)),
-                    };
+                    let token = c.claim_new(NewKeyParams::of(req)).await?;
                     if let Some(token) = token {
                         return Ok(Found::New(LeaseToken(token)));
                     }
@@ -830,15 +1003,371 @@ impl PgStore {
     }
 }
 
+/// One new key's claim parameters, as [`CLAIM_NEW_SQL`] binds them.
+#[derive(Clone, Copy)]
+struct NewKeyParams<'a> {
+    scope: &'a str,
+    key: &'a str,
+    route: &'a str,
+    fingerprint: &'a [u8],
+    lease_ms: i64,
+    ttl_ms: i64,
+}
+
+impl<'a> NewKeyParams<'a> {
+    fn of(req: &ClaimRequest<'a>) -> NewKeyParams<'a> {
+        NewKeyParams {
+            scope: req.scope,
+            key: req.key,
+            route: req.route,
+            fingerprint: req.fingerprint,
+            lease_ms: req.lease.as_millis() as i64,
+            ttl_ms: req.ttl.as_millis() as i64,
+        }
+    }
+}
+
+/// What fences and announces the end of one attempt; the outcome is passed beside it.
+#[derive(Clone, Copy)]
+struct FinishParams<'a> {
+    scope: &'a str,
+    key: &'a str,
+    token: &'a str,
+    ttl_ms: i64,
+    /// The key's wake-up id ([`key_id`]), the payload of its announcement.
+    id: &'a str,
+}
+
+/// The batch queues of a store with `batch_keys` above 1 (see [`super::pg_batch`]).
+struct Batches {
+    claims: Queue<NewKey>,
+    finishes: Queue<Completion>,
+}
+
+impl Batches {
+    fn new(db: Arc<Db>, batch_keys: usize) -> Batches {
+        Batches {
+            claims: Queue::new(Arc::clone(&db), batch_keys),
+            finishes: Queue::new(db, batch_keys),
+        }
+    }
+
+    /// Claims a new key in a batch: its lease token, or `None` when the full claim must
+    /// decide (the key exists, or the batch could not tell).
+    async fn claim_new(&self, req: &ClaimRequest<'_>) -> Result<Option<LeaseToken>, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        let p = NewKeyParams::of(req);
+        self.claims.push(NewKey {
+            scope: p.scope.to_owned(),
+            key: p.key.to_owned(),
+            route: p.route.to_owned(),
+            fingerprint: *req.fingerprint,
+            lease_ms: p.lease_ms,
+            ttl_ms: p.ttl_ms,
+            queued: tokio::time::Instant::now(),
+            answer,
+        });
+        answered.await.unwrap_or_else(|_| Err(gone("claim")))
+    }
+
+    /// Completes an attempt in a batch: whether it wrote, or the outcome back when it must
+    /// run alone.
+    async fn finish(&self, f: FinishParams<'_>, outcome: Outcome) -> Result<Finished, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        self.finishes.push(Completion {
+            scope: f.scope.to_owned(),
+            key: f.key.to_owned(),
+            token: f.token.to_owned(),
+            ttl_ms: f.ttl_ms,
+            id: f.id.to_owned(),
+            outcome,
+            queued: tokio::time::Instant::now(),
+            answer,
+        });
+        answered.await.unwrap_or_else(|_| Err(gone("finish")))
+    }
+}
+
+/// A batch ended without answering an item: it panicked (a bug), or the store is gone.
+fn gone(op: &str) -> StoreError {
+    StoreError::Internal(format!("a batched {op} ended without an answer"))
+}
+
+/// Whether a failed batch statement was chosen as a deadlock's victim. Batches lock their
+/// keys in one order, so it should not happen; if it does, every key runs alone.
+fn deadlocked(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+}
+
+/// Sorts a batch by key and keeps one item per key: a later item for a key already in the
+/// batch is handed to `alone` (it runs its own statement after this one).
+fn one_per_key<T>(mut batch: Vec<T>, id: impl Fn(&T) -> (&str, &str), alone: impl Fn(T)) -> Vec<T> {
+    batch.sort_unstable_by(|a, b| id(a).cmp(&id(b)));
+    let mut kept: Vec<T> = Vec::with_capacity(batch.len());
+    for item in batch {
+        if kept.last().is_some_and(|last| id(last) == id(&item)) {
+            alone(item);
+        } else {
+            kept.push(item);
+        }
+    }
+    kept
+}
+
+/// Which items of a sorted, one-per-key batch the rows name (by scope and key).
+fn named<T>(
+    batch: &[T],
+    id: impl Fn(&T) -> (&str, &str),
+    rows: &[tokio_postgres::Row],
+) -> Vec<Option<usize>> {
+    rows.iter()
+        .map(|row| {
+            let wanted: (&str, &str) = (row.get(0), row.get(1));
+            batch.binary_search_by(|item| id(item).cmp(&wanted)).ok()
+        })
+        .collect()
+}
+
+/// A new key's claim, queued for a batch.
+struct NewKey {
+    scope: String,
+    key: String,
+    route: String,
+    fingerprint: crate::fingerprint::Fingerprint,
+    lease_ms: i64,
+    ttl_ms: i64,
+    queued: tokio::time::Instant,
+    /// The lease token, or `None`: the full claim decides.
+    answer: oneshot::Sender<Result<Option<LeaseToken>, StoreError>>,
+}
+
+impl NewKey {
+    fn id(&self) -> (&str, &str) {
+        (&self.scope, &self.key)
+    }
+
+    fn params(&self) -> NewKeyParams<'_> {
+        NewKeyParams {
+            scope: &self.scope,
+            key: &self.key,
+            route: &self.route,
+            fingerprint: &self.fingerprint,
+            lease_ms: self.lease_ms,
+            ttl_ms: self.ttl_ms,
+        }
+    }
+}
+
+impl Item for NewKey {
+    const OP: &'static str = "claim_new";
+
+    fn queued(&self) -> tokio::time::Instant {
+        self.queued
+    }
+
+    fn fail(self, e: StoreError) {
+        let _ = self.answer.send(Err(e));
+    }
+
+    async fn run(db: Arc<Db>, obj: Object, batch: Vec<NewKey>) {
+        // A second claim of a key in this batch goes to the full statement, which waits
+        // for this one's row and decides.
+        let batch = one_per_key(batch, NewKey::id, |item| {
+            let _ = item.answer.send(Ok(None));
+        });
+        let tokens: Result<Option<Vec<Option<String>>>, StoreError> = db
+            .bounded(obj, async |c| {
+                if let [one] = &batch[..] {
+                    return Ok(Some(vec![c.claim_new(one.params()).await?]));
+                }
+                let column = |f: fn(&NewKey) -> &str| batch.iter().map(f).collect::<Vec<_>>();
+                let fingerprints: Vec<&[u8]> = batch.iter().map(|k| &k.fingerprint[..]).collect();
+                let lease: Vec<i64> = batch.iter().map(|k| k.lease_ms).collect();
+                let ttl: Vec<i64> = batch.iter().map(|k| k.ttl_ms).collect();
+                let rows = match c
+                    .query(
+                        CLAIM_NEW_BATCH_SQL,
+                        CLAIM_NEW_BATCH_TYPES,
+                        &[
+                            &column(|k| &k.scope),
+                            &column(|k| &k.key),
+                            &column(|k| &k.route),
+                            &fingerprints,
+                            &lease,
+                            &ttl,
+                        ],
+                    )
+                    .await
+                {
+                    Err(e) if deadlocked(&e) => return Ok(None),
+                    rows => rows?,
+                };
+                let mut tokens = vec![None; batch.len()];
+                for (row, at) in rows.iter().zip(named(&batch, NewKey::id, &rows)) {
+                    if let Some(at) = at {
+                        tokens[at] = Some(row.get(2));
+                    }
+                }
+                Ok(Some(tokens))
+            })
+            .await;
+        match tokens {
+            Ok(Some(tokens)) => {
+                for (item, token) in batch.into_iter().zip(tokens) {
+                    let _ = item.answer.send(Ok(token.map(LeaseToken)));
+                }
+            }
+            // The full statement, one key at a time, decides every case.
+            Ok(None) => {
+                for item in batch {
+                    let _ = item.answer.send(Ok(None));
+                }
+            }
+            Err(e) => {
+                for item in batch {
+                    item.fail(e.clone());
+                }
+            }
+        }
+    }
+}
+
+/// What a batched completion tells its caller.
+enum Finished {
+    /// The statement ran: whether it wrote the row (false: the lease was lost).
+    Written(bool),
+    /// Nothing was written: run the completion alone (a second one for the key in the batch,
+    /// or the batch was a deadlock's victim).
+    Alone(Outcome),
+}
+
+/// A completion, queued for a batch.
+struct Completion {
+    scope: String,
+    key: String,
+    token: String,
+    ttl_ms: i64,
+    id: String,
+    outcome: Outcome,
+    queued: tokio::time::Instant,
+    answer: oneshot::Sender<Result<Finished, StoreError>>,
+}
+
+impl Completion {
+    fn id(&self) -> (&str, &str) {
+        (&self.scope, &self.key)
+    }
+
+    fn params(&self) -> FinishParams<'_> {
+        FinishParams {
+            scope: &self.scope,
+            key: &self.key,
+            token: &self.token,
+            ttl_ms: self.ttl_ms,
+            id: &self.id,
+        }
+    }
+
+    fn alone(self) {
+        let _ = self.answer.send(Ok(Finished::Alone(self.outcome)));
+    }
+}
+
+impl Item for Completion {
+    const OP: &'static str = "finish";
+
+    fn queued(&self) -> tokio::time::Instant {
+        self.queued
+    }
+
+    fn fail(self, e: StoreError) {
+        let _ = self.answer.send(Err(e));
+    }
+
+    async fn run(db: Arc<Db>, obj: Object, batch: Vec<Completion>) {
+        let batch = one_per_key(batch, Completion::id, Completion::alone);
+        let written: Result<Option<Vec<bool>>, StoreError> = db
+            .bounded(obj, async |c| {
+                if let [one] = &batch[..] {
+                    return Ok(Some(vec![c.finish_one(one.params(), &one.outcome).await?]));
+                }
+                let rows: Vec<FinishRow<'_>> =
+                    batch.iter().map(|f| FinishRow::of(&f.outcome)).collect();
+                let column = |f: fn(&Completion) -> &str| batch.iter().map(f).collect::<Vec<_>>();
+                let states: Vec<&str> = rows.iter().map(|r| r.state).collect();
+                let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.status).collect();
+                let headers: Vec<Option<&[u8]>> =
+                    rows.iter().map(|r| r.headers.as_deref()).collect();
+                let bodies: Vec<Option<&[u8]>> = rows.iter().map(|r| r.body).collect();
+                let ttl: Vec<i64> = batch.iter().map(|f| f.ttl_ms).collect();
+                let done = match c
+                    .unnamed(
+                        FINISH_BATCH_SQL,
+                        FINISH_BATCH_TYPES,
+                        &[
+                            &column(|f| &f.scope),
+                            &column(|f| &f.key),
+                            &column(|f| &f.token),
+                            &states,
+                            &statuses,
+                            &headers,
+                            &bodies,
+                            &ttl,
+                            &column(|f| &f.id),
+                        ],
+                    )
+                    .await
+                {
+                    Err(e) if deadlocked(&e) => return Ok(None),
+                    done => done?,
+                };
+                let mut written = vec![false; batch.len()];
+                for at in named(&batch, Completion::id, &done).into_iter().flatten() {
+                    written[at] = true;
+                }
+                Ok(Some(written))
+            })
+            .await;
+        match written {
+            Ok(Some(written)) => {
+                for (item, written) in batch.into_iter().zip(written) {
+                    let _ = item.answer.send(Ok(Finished::Written(written)));
+                }
+            }
+            Ok(None) => batch.into_iter().for_each(Completion::alone),
+            Err(e) => {
+                for item in batch {
+                    item.fail(e.clone());
+                }
+            }
+        }
+    }
+}
+
 impl Store for PgStore {
     fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
+            // With batches, a new key is claimed with the others waiting (one insert for
+            // all); a key that exists is left to the full statement, run alone.
+            let mut try_new = true;
+            if let Some(batches) = &self.batches {
+                let started = std::time::Instant::now();
+                let new = batches.claim_new(&req).await;
+                self.db.metrics.observe("claim", started.elapsed());
+                if let Some(token) = new? {
+                    return Ok(Claim::Acquired {
+                        token,
+                        took_over: false,
+                    });
+                }
+                try_new = false;
+            }
             // A row committed after our snapshot but before our insert's conflict check makes
             // the statement return nothing (or a stale version): run it again. Five such
             // answers in a row would need five such races; treat that as the store misbehaving.
             // Only the first try can find the key new: a retry follows a row seen.
             for attempt in 0..5 {
-                if let Some(claim) = self.claim_once(&req, attempt == 0).await? {
+                if let Some(claim) = self.claim_once(&req, try_new && attempt == 0).await? {
                     return Ok(claim);
                 }
             }
@@ -855,41 +1384,31 @@ impl Store for PgStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let ttl_ms = ttl.as_millis() as i64;
             let id = key_id(scope, key);
-            let written = self
-                .with_conn("finish", async |c| {
-                    let token = token.0.as_str();
-                    if let Outcome::Release = &outcome {
-                        return Ok(c
-                            .query_opt(RELEASE_SQL, RELEASE_TYPES, &[&scope, &key, &token, &id])
-                            .await?
-                            .is_some());
+            let f = FinishParams {
+                scope,
+                key,
+                token: token.0.as_str(),
+                ttl_ms: ttl.as_millis() as i64,
+                id: &id,
+            };
+            // A completion goes with the others waiting; a release (rare) runs alone.
+            let outcome = match (&self.batches, outcome) {
+                (_, Outcome::Release) => Outcome::Release,
+                (None, outcome) => outcome,
+                (Some(batches), outcome) => {
+                    let started = std::time::Instant::now();
+                    let done = batches.finish(f, outcome).await;
+                    self.db.metrics.observe("finish", started.elapsed());
+                    match done? {
+                        Finished::Written(written) => return Ok(written),
+                        Finished::Alone(outcome) => outcome,
                     }
-                    let FinishRow {
-                        state,
-                        status,
-                        headers,
-                        body,
-                    } = FinishRow::of(&outcome);
-                    let params: &[&(dyn ToSql + Sync)] = &[
-                        &scope, &key, &token, &state, &status, &headers, &body, &ttl_ms, &id,
-                    ];
-                    match c.pooler {
-                        Pooler::None => Ok(c
-                            .query_opt(FINISH_SQL, FINISH_TYPES, params)
-                            .await?
-                            .is_some()),
-                        // The same statement in a function (migrations/0006): whether it
-                        // wrote the row.
-                        Pooler::Transaction => Ok(c
-                            .query_opt(FINISH_CALL, FINISH_TYPES, params)
-                            .await?
-                            .is_some_and(|row| row.get::<_, bool>(0))),
-                    }
-                })
-                .await?;
-            Ok(written)
+                }
+            };
+            self.db
+                .with_conn("finish", async |c| c.finish_one(f, &outcome).await)
+                .await
         })
     }
 
@@ -900,6 +1419,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let row = self
+                .db
                 .with_conn("watch", async |c| {
                     c.query_opt(WATCH_SQL, WATCH_TYPES, &[&scope, &key]).await
                 })
@@ -915,6 +1435,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>> {
         Box::pin(async move {
             let row = self
+                .db
                 .with_conn("inspect", async |c| {
                     c.query_opt(INSPECT_SQL, INSPECT_TYPES, &[&scope, &key])
                         .await
@@ -947,6 +1468,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<Deleted, StoreError>> {
         Box::pin(async move {
             let rows = self
+                .db
                 .with_conn("delete", async |c| {
                     c.query(
                         DELETE_SQL,
@@ -973,10 +1495,10 @@ impl Store for PgStore {
             let mut deleted = 0u64;
             loop {
                 // One short transaction per batch, each under the collection lock.
-                let mut obj = self.conn().await?;
-                let bound = self.statement_timeout * 2 + CLIENT_SLACK;
+                let mut obj = self.db.conn().await?;
+                let bound = self.db.statement_timeout * 2 + CLIENT_SLACK;
                 let step = async {
-                    let tx = self.begin(&mut obj).await?;
+                    let tx = self.db.begin(&mut obj).await?;
                     let locked: bool = tx
                         .query_typed_one(
                             "SELECT pg_try_advisory_xact_lock($1)",
@@ -1024,6 +1546,7 @@ impl Store for PgStore {
             let max = i32::try_from(max_in_flight).unwrap_or(i32::MAX);
             let lease_ms = lease.as_millis() as i64;
             let row = self
+                .db
                 .with_conn("acquire_slot", async |c| {
                     c.query_opt(
                         SLOT_ACQUIRE_SQL,
@@ -1045,6 +1568,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let id = slot_id(&slot.scope);
             let rows = self
+                .db
                 .with_conn("release_slot", async |c| {
                     c.query(
                         SLOT_RELEASE_SQL,
@@ -1063,13 +1587,14 @@ impl Store for PgStore {
     }
 
     fn metrics(&self) -> &StoreMetrics {
-        &self.metrics
+        &self.db.metrics
     }
 
     fn observe_pool(&self) {
-        let status = self.pool.status();
+        let status = self.db.pool.status();
         let gauge = |state: &'static str, v: usize| {
-            self.metrics
+            self.db
+                .metrics
                 .pool
                 .get_or_create(&crate::metrics::StateLabel { state })
                 .set(v as i64);
@@ -1091,6 +1616,7 @@ impl Store for PgStore {
     fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let setting: String = self
+                .db
                 .with_conn("durability", async |c| {
                     Ok(c.unnamed_one(SYNC_COMMIT_SQL).await?.get(0))
                 })
@@ -1103,6 +1629,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
             let (v, setting): (Option<i32>, String) = self
+                .db
                 .with_conn("ready", async |c| {
                     let row = c.unnamed_one(READY_SQL).await?;
                     Ok((row.get(0), row.get(1)))

@@ -1,6 +1,7 @@
 //! The integration tests: one binary, real Postgres, real upstreams, real concurrency.
 
 mod async_commit;
+mod batches;
 mod catch_all;
 mod cli;
 mod config_files;

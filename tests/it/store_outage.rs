@@ -128,6 +128,14 @@ async fn pass_through_forwards_without_idempotency_and_says_so(b: Backend) {
     assert_eq!(up.executions(), 2);
 }
 
+/// A 503 for a request that was forwarded, whose answer could not be stored.
+fn not_recorded(r: &Reply) -> bool {
+    r.json()["detail"]
+        .as_str()
+        .unwrap()
+        .contains("could not be recorded")
+}
+
 async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: Backend) {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};
@@ -136,9 +144,12 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
     let (cluster, _bouncer, yaml, db) = private(b, &up, "").await;
     let gw = Arc::new(TestGateway::start(&yaml, &db).await);
     let stop = Arc::new(AtomicBool::new(false));
+    // Requests the load saw refused (503 before anything was forwarded), as they come.
+    let refusals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let workers: Vec<_> = (0..8)
         .map(|w| {
             let (gw, stop, c) = (Arc::clone(&gw), Arc::clone(&stop), client());
+            let refusals = Arc::clone(&refusals);
             tokio::spawn(async move {
                 let mut seen = Vec::new();
                 // Bounded: stops when told, or after 2,000 requests.
@@ -148,6 +159,9 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
                     }
                     let started = Instant::now();
                     let r = post(&c, &gw, "load", &format!("w{w}-{i}"), "x").await;
+                    if r.status == 503 && !not_recorded(&r) {
+                        refusals.fetch_add(1, Ordering::SeqCst);
+                    }
                     seen.push((r, started.elapsed()));
                 }
                 seen
@@ -166,6 +180,15 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
         let r = post(&c, &gw, "probe", &format!("p{i}"), "x").await;
         assert_eq!(r.status, 503);
     }
+    // The load's requests move together (their claims and completions share statements), so
+    // they may all be past their claims when the crash comes: the outage lasts until the
+    // load has seen it too.
+    wait_until(
+        "the load sees the outage",
+        Duration::from_secs(10),
+        || async { refusals.load(Ordering::SeqCst) > 0 },
+    )
+    .await;
     let _cluster = cluster.restarted().await;
     let probes = std::sync::atomic::AtomicUsize::new(0);
     let probes_ok = std::sync::atomic::AtomicUsize::new(0);
@@ -191,11 +214,7 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
                 201 => ok += 1,
                 503 => {
                     assert!(elapsed < BOUND, "a 503 after {elapsed:?}, past the bound");
-                    if r.json()["detail"]
-                        .as_str()
-                        .unwrap()
-                        .contains("could not be recorded")
-                    {
+                    if not_recorded(&r) {
                         unrecorded += 1; // forwarded before the crash, not stored after it
                     } else {
                         refused += 1;
