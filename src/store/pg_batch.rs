@@ -33,34 +33,59 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
 use deadpool_postgres::Object;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::StoreError;
 use super::postgres::Db;
 
 /// Statements of one kind (claims, completions) that run at once. Two: one in the database
-/// while the next one's requests gather, and the database's CPUs kept busy on a small
-/// machine. The rest of the pool serves everything else.
+/// while the next one's requests gather. Measured on two cores with 32 clients of new keys
+/// (BENCHMARKS.md): 1 and 2 slots alike; 3, 4 and 8 slots made smaller batches and cost
+/// PostgreSQL 20% to 115% more CPU per key. The rest of the pool serves everything else.
 pub(super) const STATEMENTS: usize = 2;
 
-/// One request's part of a batch, and how a batch of them runs.
+/// What one request asks of a batch, and how a batch of such asks runs.
 pub(super) trait Item: Send + Sized + 'static {
     /// The operation label of the batch-size histogram.
     const OP: &'static str;
-    /// When the item was queued.
-    fn queued(&self) -> Instant;
-    /// Answers the item with an error; nothing of it was sent.
-    fn fail(self, e: StoreError);
-    /// Runs a batch on `obj` and answers each item.
-    fn run(db: Arc<Db>, obj: Object, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
+    /// What each request gets back.
+    type Answer: Send + 'static;
+    /// Runs a batch on `obj` and answers each request in it.
+    fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Self>>) -> impl Future<Output = ()> + Send;
+}
+
+/// One request in a queue: what it asks, when it was queued, and where its answer goes.
+pub(super) struct Waiting<T: Item> {
+    pub(super) ask: T,
+    queued: Instant,
+    answer: oneshot::Sender<Result<T::Answer, StoreError>>,
+}
+
+impl<T: Item> Waiting<T> {
+    /// Answers the request (a caller that stopped waiting is not told).
+    pub(super) fn answer(self, answer: Result<T::Answer, StoreError>) {
+        let _ = self.answer.send(answer);
+    }
+
+    /// Answers the request from what it asked (for an answer that hands the ask back).
+    pub(super) fn answer_with(self, f: impl FnOnce(T) -> Result<T::Answer, StoreError>) {
+        let _ = self.answer.send(f(self.ask));
+    }
+}
+
+/// Answers every request of a batch with the same error.
+pub(super) fn fail_all<T: Item>(batch: Vec<Waiting<T>>, e: &StoreError) {
+    for waiting in batch {
+        waiting.answer(Err(e.clone()));
+    }
 }
 
 /// A queue and its dispatcher, started on first use (a store is built outside a runtime).
 pub(super) struct Queue<T: Item> {
     db: Arc<Db>,
     batch_keys: usize,
-    sender: OnceLock<mpsc::UnboundedSender<T>>,
+    sender: OnceLock<mpsc::UnboundedSender<Waiting<T>>>,
 }
 
 impl<T: Item> Queue<T> {
@@ -72,31 +97,48 @@ impl<T: Item> Queue<T> {
         }
     }
 
-    /// Queues `item`; its answer comes on the channel the item carries. Must run inside a
-    /// Tokio runtime. The dispatcher ends when the queue is dropped.
-    pub(super) fn push(&self, item: T) {
+    /// Queues `ask` and waits for its answer. Must run inside a Tokio runtime. The
+    /// dispatcher ends when the queue is dropped.
+    pub(super) async fn ask(&self, ask: T) -> Result<T::Answer, StoreError> {
         let sender = self.sender.get_or_init(|| {
             let (sender, receiver) = mpsc::unbounded_channel();
             tokio::spawn(dispatch(Arc::clone(&self.db), receiver, self.batch_keys));
             sender
         });
-        if let Err(mpsc::error::SendError(item)) = sender.send(item) {
-            item.fail(StoreError::Internal(format!(
+        let (answer, answered) = oneshot::channel();
+        let waiting = Waiting {
+            ask,
+            queued: Instant::now(),
+            answer,
+        };
+        if sender.send(waiting).is_err() {
+            return Err(StoreError::Internal(format!(
                 "the {} queue has stopped",
                 T::OP
             )));
         }
+        // Dropped unanswered: its batch panicked (a bug), or the store is gone.
+        answered.await.unwrap_or_else(|_| {
+            Err(StoreError::Internal(format!(
+                "a batched {} ended without an answer",
+                T::OP
+            )))
+        })
     }
 }
 
-async fn dispatch<T: Item>(db: Arc<Db>, mut queue: mpsc::UnboundedReceiver<T>, batch_keys: usize) {
+async fn dispatch<T: Item>(
+    db: Arc<Db>,
+    mut queue: mpsc::UnboundedReceiver<Waiting<T>>,
+    batch_keys: usize,
+) {
     let slots = Arc::new(Semaphore::new(STATEMENTS));
     while let Some(first) = queue.recv().await {
-        let deadline = first.queued() + db.acquire_timeout;
+        let deadline = first.queued + db.acquire_timeout;
         let Ok(Ok(slot)) =
             tokio::time::timeout_at(deadline, Arc::clone(&slots).acquire_owned()).await
         else {
-            first.fail(StoreError::AcquireTimeout);
+            first.answer(Err(StoreError::AcquireTimeout));
             continue;
         };
         let mut batch = Vec::with_capacity(batch_keys.min(64));
@@ -116,7 +158,7 @@ async fn dispatch<T: Item>(db: Arc<Db>, mut queue: mpsc::UnboundedReceiver<T>, b
                     db.metrics.batch(T::OP, batch.len());
                     T::run(db, obj, batch).await;
                 }
-                Err(e) => batch.into_iter().for_each(|item| item.fail(e.clone())),
+                Err(e) => fail_all(batch, &e),
             }
             drop(slot);
         });

@@ -70,14 +70,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use tokio::sync::oneshot;
 use tokio_postgres::NoTls;
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::pg_batch::{Item, Queue};
+use super::pg_batch::{Item, Queue, Waiting, fail_all};
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
@@ -1055,42 +1054,33 @@ impl Batches {
     /// Claims a new key in a batch: its lease token, or `None` when the full claim must
     /// decide (the key exists, or the batch could not tell).
     async fn claim_new(&self, req: &ClaimRequest<'_>) -> Result<Option<LeaseToken>, StoreError> {
-        let (answer, answered) = oneshot::channel();
         let p = NewKeyParams::of(req);
-        self.claims.push(NewKey {
-            scope: p.scope.to_owned(),
-            key: p.key.to_owned(),
-            route: p.route.to_owned(),
-            fingerprint: *req.fingerprint,
-            lease_ms: p.lease_ms,
-            ttl_ms: p.ttl_ms,
-            queued: tokio::time::Instant::now(),
-            answer,
-        });
-        answered.await.unwrap_or_else(|_| Err(gone("claim")))
+        self.claims
+            .ask(NewKey {
+                scope: p.scope.to_owned(),
+                key: p.key.to_owned(),
+                route: p.route.to_owned(),
+                fingerprint: *req.fingerprint,
+                lease_ms: p.lease_ms,
+                ttl_ms: p.ttl_ms,
+            })
+            .await
     }
 
     /// Completes an attempt in a batch: whether it wrote, or the outcome back when it must
     /// run alone.
     async fn finish(&self, f: FinishParams<'_>, outcome: Outcome) -> Result<Finished, StoreError> {
-        let (answer, answered) = oneshot::channel();
-        self.finishes.push(Completion {
-            scope: f.scope.to_owned(),
-            key: f.key.to_owned(),
-            token: f.token.to_owned(),
-            ttl_ms: f.ttl_ms,
-            id: f.id.to_owned(),
-            outcome,
-            queued: tokio::time::Instant::now(),
-            answer,
-        });
-        answered.await.unwrap_or_else(|_| Err(gone("finish")))
+        self.finishes
+            .ask(Completion {
+                scope: f.scope.to_owned(),
+                key: f.key.to_owned(),
+                token: f.token.to_owned(),
+                ttl_ms: f.ttl_ms,
+                id: f.id.to_owned(),
+                outcome,
+            })
+            .await
     }
-}
-
-/// A batch ended without answering an item: it panicked (a bug), or the store is gone.
-fn gone(op: &str) -> StoreError {
-    StoreError::Internal(format!("a batched {op} ended without an answer"))
 }
 
 /// Whether a failed batch statement was chosen as a deadlock's victim. Batches lock their
@@ -1099,36 +1089,48 @@ fn deadlocked(e: &tokio_postgres::Error) -> bool {
     e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
 }
 
-/// Sorts a batch by key and keeps one item per key: a later item for a key already in the
+/// An ask about one key, known by its scope and key.
+trait Keyed: Item {
+    fn id(&self) -> (&str, &str);
+}
+
+/// Sorts a batch by key and keeps one request per key: a later one for a key already in the
 /// batch is handed to `alone` (it runs its own statement after this one).
-fn one_per_key<T>(mut batch: Vec<T>, id: impl Fn(&T) -> (&str, &str), alone: impl Fn(T)) -> Vec<T> {
-    batch.sort_unstable_by(|a, b| id(a).cmp(&id(b)));
-    let mut kept: Vec<T> = Vec::with_capacity(batch.len());
-    for item in batch {
-        if kept.last().is_some_and(|last| id(last) == id(&item)) {
-            alone(item);
+fn one_per_key<T: Keyed>(
+    mut batch: Vec<Waiting<T>>,
+    alone: impl Fn(Waiting<T>),
+) -> Vec<Waiting<T>> {
+    batch.sort_unstable_by(|a, b| a.ask.id().cmp(&b.ask.id()));
+    let mut kept: Vec<Waiting<T>> = Vec::with_capacity(batch.len());
+    for waiting in batch {
+        if kept
+            .last()
+            .is_some_and(|last| last.ask.id() == waiting.ask.id())
+        {
+            alone(waiting);
         } else {
-            kept.push(item);
+            kept.push(waiting);
         }
     }
     kept
 }
 
-/// Which items of a sorted, one-per-key batch the rows name (by scope and key).
-fn named<T>(
-    batch: &[T],
-    id: impl Fn(&T) -> (&str, &str),
-    rows: &[tokio_postgres::Row],
-) -> Vec<Option<usize>> {
+/// Which requests of a sorted, one-per-key batch the rows name (by scope and key).
+fn named<T: Keyed>(batch: &[Waiting<T>], rows: &[tokio_postgres::Row]) -> Vec<Option<usize>> {
     rows.iter()
         .map(|row| {
             let wanted: (&str, &str) = (row.get(0), row.get(1));
-            batch.binary_search_by(|item| id(item).cmp(&wanted)).ok()
+            batch.binary_search_by(|w| w.ask.id().cmp(&wanted)).ok()
         })
         .collect()
 }
 
-/// A new key's claim, queued for a batch.
+/// One column of a batch's parameter arrays.
+fn column<'a, T: Item, V>(batch: &'a [Waiting<T>], f: impl Fn(&'a T) -> V) -> Vec<V> {
+    batch.iter().map(|w| f(&w.ask)).collect()
+}
+
+/// A new key's claim.
 struct NewKey {
     scope: String,
     key: String,
@@ -1136,16 +1138,9 @@ struct NewKey {
     fingerprint: crate::fingerprint::Fingerprint,
     lease_ms: i64,
     ttl_ms: i64,
-    queued: tokio::time::Instant,
-    /// The lease token, or `None`: the full claim decides.
-    answer: oneshot::Sender<Result<Option<LeaseToken>, StoreError>>,
 }
 
 impl NewKey {
-    fn id(&self) -> (&str, &str) {
-        (&self.scope, &self.key)
-    }
-
     fn params(&self) -> NewKeyParams<'_> {
         NewKeyParams {
             scope: &self.scope,
@@ -1158,43 +1153,37 @@ impl NewKey {
     }
 }
 
+impl Keyed for NewKey {
+    fn id(&self) -> (&str, &str) {
+        (&self.scope, &self.key)
+    }
+}
+
 impl Item for NewKey {
     const OP: &'static str = "claim_new";
+    /// The lease token, or `None`: the full claim decides.
+    type Answer = Option<LeaseToken>;
 
-    fn queued(&self) -> tokio::time::Instant {
-        self.queued
-    }
-
-    fn fail(self, e: StoreError) {
-        let _ = self.answer.send(Err(e));
-    }
-
-    async fn run(db: Arc<Db>, obj: Object, batch: Vec<NewKey>) {
+    async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<NewKey>>) {
         // A second claim of a key in this batch goes to the full statement, which waits
         // for this one's row and decides.
-        let batch = one_per_key(batch, NewKey::id, |item| {
-            let _ = item.answer.send(Ok(None));
-        });
+        let batch = one_per_key(batch, |w| w.answer(Ok(None)));
         let tokens: Result<Option<Vec<Option<String>>>, StoreError> = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
-                    return Ok(Some(vec![c.claim_new(one.params()).await?]));
+                    return Ok(Some(vec![c.claim_new(one.ask.params()).await?]));
                 }
-                let column = |f: fn(&NewKey) -> &str| batch.iter().map(f).collect::<Vec<_>>();
-                let fingerprints: Vec<&[u8]> = batch.iter().map(|k| &k.fingerprint[..]).collect();
-                let lease: Vec<i64> = batch.iter().map(|k| k.lease_ms).collect();
-                let ttl: Vec<i64> = batch.iter().map(|k| k.ttl_ms).collect();
                 let rows = match c
                     .query(
                         CLAIM_NEW_BATCH_SQL,
                         CLAIM_NEW_BATCH_TYPES,
                         &[
-                            &column(|k| &k.scope),
-                            &column(|k| &k.key),
-                            &column(|k| &k.route),
-                            &fingerprints,
-                            &lease,
-                            &ttl,
+                            &column(&batch, |k| k.scope.as_str()),
+                            &column(&batch, |k| k.key.as_str()),
+                            &column(&batch, |k| k.route.as_str()),
+                            &column(&batch, |k| &k.fingerprint[..]),
+                            &column(&batch, |k| k.lease_ms),
+                            &column(&batch, |k| k.ttl_ms),
                         ],
                     )
                     .await
@@ -1203,7 +1192,7 @@ impl Item for NewKey {
                     rows => rows?,
                 };
                 let mut tokens = vec![None; batch.len()];
-                for (row, at) in rows.iter().zip(named(&batch, NewKey::id, &rows)) {
+                for (row, at) in rows.iter().zip(named(&batch, &rows)) {
                     if let Some(at) = at {
                         tokens[at] = Some(row.get(2));
                     }
@@ -1213,21 +1202,13 @@ impl Item for NewKey {
             .await;
         match tokens {
             Ok(Some(tokens)) => {
-                for (item, token) in batch.into_iter().zip(tokens) {
-                    let _ = item.answer.send(Ok(token.map(LeaseToken)));
+                for (w, token) in batch.into_iter().zip(tokens) {
+                    w.answer(Ok(token.map(LeaseToken)));
                 }
             }
             // The full statement, one key at a time, decides every case.
-            Ok(None) => {
-                for item in batch {
-                    let _ = item.answer.send(Ok(None));
-                }
-            }
-            Err(e) => {
-                for item in batch {
-                    item.fail(e.clone());
-                }
-            }
+            Ok(None) => batch.into_iter().for_each(|w| w.answer(Ok(None))),
+            Err(e) => fail_all(batch, &e),
         }
     }
 }
@@ -1241,7 +1222,7 @@ enum Finished {
     Alone(Outcome),
 }
 
-/// A completion, queued for a batch.
+/// The completion of one attempt.
 struct Completion {
     scope: String,
     key: String,
@@ -1249,15 +1230,9 @@ struct Completion {
     ttl_ms: i64,
     id: String,
     outcome: Outcome,
-    queued: tokio::time::Instant,
-    answer: oneshot::Sender<Result<Finished, StoreError>>,
 }
 
 impl Completion {
-    fn id(&self) -> (&str, &str) {
-        (&self.scope, &self.key)
-    }
-
     fn params(&self) -> FinishParams<'_> {
         FinishParams {
             scope: &self.scope,
@@ -1268,52 +1243,48 @@ impl Completion {
         }
     }
 
-    fn alone(self) {
-        let _ = self.answer.send(Ok(Finished::Alone(self.outcome)));
+    /// Hands the outcome back, to be written alone.
+    fn alone(waiting: Waiting<Completion>) {
+        waiting.answer_with(|c| Ok(Finished::Alone(c.outcome)));
+    }
+}
+
+impl Keyed for Completion {
+    fn id(&self) -> (&str, &str) {
+        (&self.scope, &self.key)
     }
 }
 
 impl Item for Completion {
     const OP: &'static str = "finish";
+    type Answer = Finished;
 
-    fn queued(&self) -> tokio::time::Instant {
-        self.queued
-    }
-
-    fn fail(self, e: StoreError) {
-        let _ = self.answer.send(Err(e));
-    }
-
-    async fn run(db: Arc<Db>, obj: Object, batch: Vec<Completion>) {
-        let batch = one_per_key(batch, Completion::id, Completion::alone);
+    async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Completion>>) {
+        let batch = one_per_key(batch, Completion::alone);
         let written: Result<Option<Vec<bool>>, StoreError> = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
-                    return Ok(Some(vec![c.finish_one(one.params(), &one.outcome).await?]));
+                    let f = &one.ask;
+                    return Ok(Some(vec![c.finish_one(f.params(), &f.outcome).await?]));
                 }
-                let rows: Vec<FinishRow<'_>> =
-                    batch.iter().map(|f| FinishRow::of(&f.outcome)).collect();
-                let column = |f: fn(&Completion) -> &str| batch.iter().map(f).collect::<Vec<_>>();
-                let states: Vec<&str> = rows.iter().map(|r| r.state).collect();
-                let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.status).collect();
-                let headers: Vec<Option<&[u8]>> =
-                    rows.iter().map(|r| r.headers.as_deref()).collect();
-                let bodies: Vec<Option<&[u8]>> = rows.iter().map(|r| r.body).collect();
-                let ttl: Vec<i64> = batch.iter().map(|f| f.ttl_ms).collect();
+                let rows: Vec<FinishRow<'_>> = column(&batch, |f| FinishRow::of(&f.outcome));
                 let done = match c
                     .unnamed(
                         FINISH_BATCH_SQL,
                         FINISH_BATCH_TYPES,
                         &[
-                            &column(|f| &f.scope),
-                            &column(|f| &f.key),
-                            &column(|f| &f.token),
-                            &states,
-                            &statuses,
-                            &headers,
-                            &bodies,
-                            &ttl,
-                            &column(|f| &f.id),
+                            &column(&batch, |f| f.scope.as_str()),
+                            &column(&batch, |f| f.key.as_str()),
+                            &column(&batch, |f| f.token.as_str()),
+                            &rows.iter().map(|r| r.state).collect::<Vec<_>>(),
+                            &rows.iter().map(|r| r.status).collect::<Vec<_>>(),
+                            &rows
+                                .iter()
+                                .map(|r| r.headers.as_deref())
+                                .collect::<Vec<_>>(),
+                            &rows.iter().map(|r| r.body).collect::<Vec<_>>(),
+                            &column(&batch, |f| f.ttl_ms),
+                            &column(&batch, |f| f.id.as_str()),
                         ],
                     )
                     .await
@@ -1322,7 +1293,7 @@ impl Item for Completion {
                     done => done?,
                 };
                 let mut written = vec![false; batch.len()];
-                for at in named(&batch, Completion::id, &done).into_iter().flatten() {
+                for at in named(&batch, &done).into_iter().flatten() {
                     written[at] = true;
                 }
                 Ok(Some(written))
@@ -1330,16 +1301,12 @@ impl Item for Completion {
             .await;
         match written {
             Ok(Some(written)) => {
-                for (item, written) in batch.into_iter().zip(written) {
-                    let _ = item.answer.send(Ok(Finished::Written(written)));
+                for (w, written) in batch.into_iter().zip(written) {
+                    w.answer(Ok(Finished::Written(written)));
                 }
             }
             Ok(None) => batch.into_iter().for_each(Completion::alone),
-            Err(e) => {
-                for item in batch {
-                    item.fail(e.clone());
-                }
-            }
+            Err(e) => fail_all(batch, &e),
         }
     }
 }
