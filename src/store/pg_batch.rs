@@ -8,24 +8,27 @@
 //!
 //! Invariants:
 //! - A batch forms only from requests already waiting. A dispatcher task takes the first
-//!   waiting item and a statement slot, and then whatever else is queued at that moment (up
-//!   to `batch_keys`); it never waits for company. The batch's own task then takes a pooled
-//!   connection, so a connection slow to come holds up that batch only. A lone request goes
-//!   straight through, so at low load every key has its own statement, as without batching.
+//!   waiting request and a statement slot, and then whatever else is queued at that moment
+//!   (up to `batch_keys`); it never waits for company. The batch's own task then takes a
+//!   pooled connection, so a connection slow to come holds up that batch and its slot, never
+//!   the dispatcher. A lone request goes straight through, so at low load every key has its
+//!   own statement, as without batching.
 //! - At most [`STATEMENTS`] statements of each kind run at once. While they run, new requests
 //!   queue, as they would for a pooled connection, and the next statement carries all of
 //!   them: the busier the database, the larger the batches.
-//! - The bounds are those of one lone call. The first item of a batch waits for a slot and
-//!   a connection until `acquire_timeout` after it was queued, and is answered
-//!   `AcquireTimeout` (nothing written) past it; the items taken with it were queued after it
-//!   and share its deadline. When no connection comes, every item of the batch gets the
-//!   pool's answer.
-//!   The statement runs within `statement_timeout`, with the same client-side bound, cancel
-//!   and detach as every statement ([`super::postgres::Db::bounded`]).
-//! - Every item is answered exactly once: by its batch, or, when the dispatcher is gone (the
-//!   store was dropped, or a batch panicked), by the closed channel, which its caller reports
-//!   as an internal error. Nobody hangs.
-//! - An item whose caller stopped waiting still runs: a claim it made stays in flight until
+//! - Each request keeps the bounds of one call: its wait for a slot and a connection ends
+//!   `acquire_timeout` after it was queued, and past that it is answered `AcquireTimeout`
+//!   (nothing of it was sent). The first request of a batch bounds the wait for the slot; the
+//!   connection is waited for until the youngest request's deadline, and the requests whose
+//!   own deadline passed meanwhile are answered `AcquireTimeout` and left out. When no
+//!   connection comes, every request of the batch gets the pool's answer. The statement runs
+//!   within `statement_timeout`, with the same client-side bound, cancel and detach as every
+//!   statement ([`super::postgres::Db::bounded`]). What a request does after its batch (a
+//!   key that exists goes to the full claim) is a call of its own, with its own bounds.
+//! - Every request is answered exactly once: by its batch; by the dropped answer channel when
+//!   its batch panicked (a bug); or by the closed queue when the store is gone. The caller
+//!   reports the last two as internal errors. Nobody hangs.
+//! - A request whose caller stopped waiting still runs: a claim it made stays in flight until
 //!   its lease expires, as when a lone statement's caller times out. The gateway runs claims
 //!   and completions from spawned tasks, so a client's hang-up never drops one.
 
@@ -41,8 +44,10 @@ use super::postgres::Db;
 
 /// Statements of one kind (claims, completions) that run at once. Two: one in the database
 /// while the next one's requests gather. Measured on two cores with 32 clients of new keys
-/// (BENCHMARKS.md): 1 and 2 slots alike; 3, 4 and 8 slots made smaller batches and cost
-/// PostgreSQL 20% to 115% more CPU per key. The rest of the pool serves everything else.
+/// (BENCHMARKS.md, "Two slots, measured"): one and two slots ran at about the same rate (one
+/// slot's larger batches cost PostgreSQL 123-130 µs per key, two slots' 141-146); three, four
+/// and eight slots made smaller batches, 174-314 µs. The rest of the pool serves everything
+/// else.
 pub(super) const STATEMENTS: usize = 2;
 
 /// What one request asks of a batch, and how a batch of such asks runs.
@@ -153,10 +158,21 @@ async fn dispatch<T: Item>(
         // restarting) holds up its batch and its slot, never the dispatcher.
         let db = Arc::clone(&db);
         tokio::spawn(async move {
-            match db.conn_by(deadline).await {
+            let youngest = batch
+                .last()
+                .map_or(deadline, |w| w.queued + db.acquire_timeout);
+            match db.conn_by(youngest).await {
                 Ok(obj) => {
-                    db.metrics.batch(T::OP, batch.len());
-                    T::run(db, obj, batch).await;
+                    let now = Instant::now();
+                    let (late, batch): (Vec<_>, Vec<_>) = batch
+                        .into_iter()
+                        .partition(|w| w.queued + db.acquire_timeout < now);
+                    fail_all(late, &StoreError::AcquireTimeout);
+                    if batch.is_empty() {
+                        drop(obj);
+                    } else {
+                        T::run(db, obj, batch).await;
+                    }
                 }
                 Err(e) => fail_all(batch, &e),
             }

@@ -17,13 +17,17 @@
 //!   the same moment are written together (`batch_keys`, see [`super::pg_batch`]): one
 //!   statement and one commit for several keys, each key with its own answer. The batched
 //!   claim (`CLAIM_NEW_BATCH_SQL`) is the plain insert for several rows; a key it did not
-//!   insert exists and goes to the full claim, alone, exactly as after the plain insert. The
-//!   batched completion (`FINISH_BATCH_SQL`) is the fenced completion for several rows, each
-//!   fenced by its own lease token, and it names each key it wrote. A batch of one sends the
-//!   single-key statement. A key appears once per batch, and batches are sorted by key, so
-//!   concurrent batches take row locks in one order. The batched completion is planned at
-//!   every call (unnamed): it joins the keys table, and a plan cached while the table was
-//!   small would scan it whole once it is large.
+//!   insert exists and goes to the full claim, alone, as after the plain insert (a second
+//!   request for a key already in the batch goes there at once: the unique index orders it
+//!   with the insert). The batched completion (`FINISH_BATCH_SQL`) is the fenced completion
+//!   for several rows, each fenced by its own lease token, and it names each key it wrote. A
+//!   batch of one sends the single-key statement. A key appears once per batch, and a batch
+//!   is sorted by key, so concurrent batched inserts take their keys in one order; the rows
+//!   of a batched completion are locked in its plan's order, and two completion batches
+//!   share a key only when two attempts of one key end at once. A batch chosen as a
+//!   deadlock's victim leaves every key to its single statement. The batched completion is
+//!   planned at every call (unnamed): it joins the keys table, and a plan cached while the
+//!   table was small would scan it whole once it is large.
 //! - An expired lease is taken over only by the same request (same fingerprint); a
 //!   different request under that key is a mismatch, as for a live one.
 //! - An in-flight row whose lease expired is taken over, unless the route holds unknown
@@ -652,12 +656,14 @@ impl Db {
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
         let started = std::time::Instant::now();
-        let result = self.with_conn_inner(f).await;
+        let result = self.unobserved(f).await;
         self.metrics.observe(op, started.elapsed());
         result
     }
 
-    async fn with_conn_inner<T>(
+    /// [`with_conn`](Self::with_conn) without recording its latency: for a call whose caller
+    /// records the whole operation once (a claim's statements, a completion after its batch).
+    async fn unobserved<T>(
         &self,
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
@@ -929,6 +935,48 @@ impl PgStore {
         Ok(applied)
     }
 
+    /// A claim, from the batched insert of a new key (with batches) to the full statement.
+    async fn claim_all(&self, req: &ClaimRequest<'_>) -> Result<Claim, StoreError> {
+        // With batches, a new key is claimed with the others waiting (one insert for all);
+        // a key that exists is left to the full statement, run alone.
+        let mut try_new = true;
+        if let Some(batches) = &self.batches {
+            if let Some(token) = batches.claim_new(req).await? {
+                return Ok(Claim::Acquired {
+                    token,
+                    took_over: false,
+                });
+            }
+            try_new = false;
+        }
+        // A row committed after our snapshot but before our insert's conflict check makes
+        // the statement return nothing (or a stale version): run it again. Five such answers
+        // in a row would need five such races; treat that as the store misbehaving. Only the
+        // first try can find the key new: a retry follows a row seen.
+        for attempt in 0..5 {
+            if let Some(claim) = self.claim_once(req, try_new && attempt == 0).await? {
+                return Ok(claim);
+            }
+        }
+        Err(StoreError::Db("claim saw no current row five times".into()))
+    }
+
+    /// The end of an attempt: a completion goes with the others waiting (with batches); a
+    /// release (rare), or a completion handed back by its batch, runs alone.
+    async fn finish_all(&self, f: FinishParams<'_>, outcome: Outcome) -> Result<bool, StoreError> {
+        let outcome = match (&self.batches, outcome) {
+            (_, Outcome::Release) => Outcome::Release,
+            (None, outcome) => outcome,
+            (Some(batches), outcome) => match batches.finish(f, outcome).await? {
+                Finished::Written(written) => return Ok(written),
+                Finished::Alone(outcome) => outcome,
+            },
+        };
+        self.db
+            .unobserved(async |c| c.finish_one(f, &outcome).await)
+            .await
+    }
+
     /// One claim: with `try_new`, first the plain insert of a new key ([`CLAIM_NEW_SQL`]);
     /// when the key exists (or without `try_new`), the full statement ([`CLAIM_SQL`]). Both
     /// run on one connection within one statement bound.
@@ -942,7 +990,7 @@ impl PgStore {
         let fp: &[u8] = req.fingerprint;
         let found = self
             .db
-            .with_conn("claim", async |c| {
+            .unobserved(async |c| {
                 if try_new {
                     let token = c.claim_new(NewKeyParams::of(req)).await?;
                     if let Some(token) = token {
@@ -1165,9 +1213,10 @@ impl Item for NewKey {
     type Answer = Option<LeaseToken>;
 
     async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<NewKey>>) {
-        // A second claim of a key in this batch goes to the full statement, which waits
-        // for this one's row and decides.
+        // A second claim of a key in this batch goes to the full statement at once; the
+        // unique index orders it with this insert, and it decides on the row it finds.
         let batch = one_per_key(batch, |w| w.answer(Ok(None)));
+        db.metrics.batch(NewKey::OP, batch.len());
         let tokens: Result<Option<Vec<Option<String>>>, StoreError> = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
@@ -1261,6 +1310,7 @@ impl Item for Completion {
 
     async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Completion>>) {
         let batch = one_per_key(batch, Completion::alone);
+        db.metrics.batch(Completion::OP, batch.len());
         let written: Result<Option<Vec<bool>>, StoreError> = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
@@ -1314,31 +1364,10 @@ impl Item for Completion {
 impl Store for PgStore {
     fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
         Box::pin(async move {
-            // With batches, a new key is claimed with the others waiting (one insert for
-            // all); a key that exists is left to the full statement, run alone.
-            let mut try_new = true;
-            if let Some(batches) = &self.batches {
-                let started = std::time::Instant::now();
-                let new = batches.claim_new(&req).await;
-                self.db.metrics.observe("claim", started.elapsed());
-                if let Some(token) = new? {
-                    return Ok(Claim::Acquired {
-                        token,
-                        took_over: false,
-                    });
-                }
-                try_new = false;
-            }
-            // A row committed after our snapshot but before our insert's conflict check makes
-            // the statement return nothing (or a stale version): run it again. Five such
-            // answers in a row would need five such races; treat that as the store misbehaving.
-            // Only the first try can find the key new: a retry follows a row seen.
-            for attempt in 0..5 {
-                if let Some(claim) = self.claim_once(&req, try_new && attempt == 0).await? {
-                    return Ok(claim);
-                }
-            }
-            Err(StoreError::Db("claim saw no current row five times".into()))
+            let started = std::time::Instant::now();
+            let claim = self.claim_all(&req).await;
+            self.db.metrics.observe("claim", started.elapsed());
+            claim
         })
     }
 
@@ -1351,6 +1380,7 @@ impl Store for PgStore {
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
+            let started = std::time::Instant::now();
             let id = key_id(scope, key);
             let f = FinishParams {
                 scope,
@@ -1359,23 +1389,9 @@ impl Store for PgStore {
                 ttl_ms: ttl.as_millis() as i64,
                 id: &id,
             };
-            // A completion goes with the others waiting; a release (rare) runs alone.
-            let outcome = match (&self.batches, outcome) {
-                (_, Outcome::Release) => Outcome::Release,
-                (None, outcome) => outcome,
-                (Some(batches), outcome) => {
-                    let started = std::time::Instant::now();
-                    let done = batches.finish(f, outcome).await;
-                    self.db.metrics.observe("finish", started.elapsed());
-                    match done? {
-                        Finished::Written(written) => return Ok(written),
-                        Finished::Alone(outcome) => outcome,
-                    }
-                }
-            };
-            self.db
-                .with_conn("finish", async |c| c.finish_one(f, &outcome).await)
-                .await
+            let written = self.finish_all(f, outcome).await;
+            self.db.metrics.observe("finish", started.elapsed());
+            written
         })
     }
 

@@ -31,8 +31,8 @@ async fn lock_writes(gw: &TestGateway) -> tokio_postgres::Client {
 }
 
 /// Waits until a statement of the gateway waits for the lock, lets the other requests
-/// queue behind it for a while (well within the tests' 1s `statement_timeout`), and
-/// releases the lock.
+/// queue behind it for a while (well within the 3s `acquire_timeout` and
+/// `statement_timeout` of [`gateway`]), and releases the lock.
 async fn release_after_queueing(gw: &TestGateway, lock: tokio_postgres::Client) {
     let db = gw.sql().await;
     wait_until(
@@ -64,6 +64,16 @@ async fn batches(gw: &TestGateway, op: &str) -> (f64, f64) {
     )
 }
 
+/// A gateway on a fresh store of kind `b` whose requests may wait 3s for a connection (the
+/// queue behind a held lock counts) and 3s for a statement.
+async fn gateway(b: Backend, up: &Upstream) -> (TestGateway, Option<TempDb>) {
+    TestGateway::on_with(b, up, "", |y| {
+        y.patch("acquire_timeout: 500ms", "acquire_timeout: 3s")
+            .patch("statement_timeout: 1s", "statement_timeout: 3s")
+    })
+    .await
+}
+
 async fn rows_in(gw: &TestGateway, state: &str) -> i64 {
     gw.sql()
         .await
@@ -79,7 +89,7 @@ async fn rows_in(gw: &TestGateway, state: &str) -> i64 {
 async fn new_keys_waiting_together_share_statements_and_keep_their_own_answers(b: Backend) {
     const N: usize = 40;
     let up = Upstream::start().await;
-    let (gw, _file) = TestGateway::on(b, &up, "").await;
+    let (gw, _file) = gateway(b, &up).await;
     let keys: Vec<(String, String)> = (0..N)
         .map(|i| (format!("acct-{}", i % 3), format!("k{i}")))
         .collect();
@@ -124,7 +134,7 @@ async fn new_keys_waiting_together_share_statements_and_keep_their_own_answers(b
 
 async fn keys_that_exist_in_a_batch_are_left_to_the_full_claim(b: Backend) {
     let up = Upstream::start().await;
-    let (gw, _file) = TestGateway::on(b, &up, "").await;
+    let (gw, _file) = gateway(b, &up).await;
     let c = client();
     let mut old = Vec::new();
     for i in 0..10 {
@@ -158,11 +168,17 @@ async fn keys_that_exist_in_a_batch_are_left_to_the_full_claim(b: Backend) {
     // Ten old executions and one per new key, however the batches fell.
     assert_eq!(up.executions(), 20);
     assert_eq!(rows_in(&gw, "completed").await, 20);
+    // And they did fall in batches: fewer claim statements than the keys they carried.
+    let (statements, claimed) = batches(&gw, "claim_new").await;
+    assert!(
+        statements < claimed,
+        "{statements} statements for {claimed} keys"
+    );
 }
 
 async fn a_batched_completion_is_fenced_by_each_keys_own_lease(b: Backend) {
     let up = Upstream::start().await;
-    let (gw, _file) = TestGateway::on(b, &up, "").await;
+    let (gw, _file) = gateway(b, &up).await;
     let fp = [9u8; 32];
     let mut tokens = Vec::new();
     for i in 0..6 {
