@@ -86,6 +86,24 @@ pub(super) fn fail_all<T: Item>(batch: Vec<Waiting<T>>, e: &StoreError) {
     }
 }
 
+/// Answers a batch from what its statement found: each request its own answer, in order;
+/// each request `alone` when the statement could not tell (`None`); the error to all.
+pub(super) fn answer_all<T: Item>(
+    batch: Vec<Waiting<T>>,
+    found: Result<Option<Vec<T::Answer>>, StoreError>,
+    alone: impl Fn(Waiting<T>),
+) {
+    match found {
+        Ok(Some(answers)) => {
+            for (waiting, answer) in batch.into_iter().zip(answers) {
+                waiting.answer(Ok(answer));
+            }
+        }
+        Ok(None) => batch.into_iter().for_each(alone),
+        Err(e) => fail_all(batch, &e),
+    }
+}
+
 /// A queue and its dispatcher, started on first use (a store is built outside a runtime).
 pub(super) struct Queue<T: Item> {
     db: Arc<Db>,

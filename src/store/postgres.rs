@@ -80,7 +80,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::pg_batch::{Item, Queue, Waiting, fail_all};
+use super::pg_batch::{Item, Queue, Waiting, answer_all};
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
@@ -467,7 +467,7 @@ impl Conn<'_> {
                 let stmt = self.obj.prepare_typed_cached(sql, types).await?;
                 self.obj.query(&stmt, params).await
             }
-            Pooler::Transaction => self.obj.query_typed(sql, &typed(params, types)).await,
+            Pooler::Transaction => self.unnamed(sql, types, params).await,
         }
     }
 
@@ -985,14 +985,12 @@ impl PgStore {
         req: &ClaimRequest<'_>,
         try_new: bool,
     ) -> Result<Option<Claim>, StoreError> {
-        let lease_ms = req.lease.as_millis() as i64;
-        let ttl_ms = req.ttl.as_millis() as i64;
-        let fp: &[u8] = req.fingerprint;
+        let p = NewKeyParams::of(req);
         let found = self
             .db
             .unobserved(async |c| {
                 if try_new {
-                    let token = c.claim_new(NewKeyParams::of(req)).await?;
+                    let token = c.claim_new(p).await?;
                     if let Some(token) = token {
                         return Ok(Found::New(LeaseToken(token)));
                     }
@@ -1001,12 +999,12 @@ impl PgStore {
                     CLAIM_SQL,
                     CLAIM_TYPES,
                     &[
-                        &req.scope,
-                        &req.key,
-                        &req.route,
-                        &fp,
-                        &lease_ms,
-                        &ttl_ms,
+                        &p.scope,
+                        &p.key,
+                        &p.route,
+                        &p.fingerprint,
+                        &p.lease_ms,
+                        &p.ttl_ms,
                         &req.hold_expired_leases,
                     ],
                 )
@@ -1045,7 +1043,7 @@ impl PgStore {
             lease_remaining_ms: row.get("lease_remaining_ms"),
             expires_in_ms: row.get("expires_in_ms"),
         }
-        .decide(fp)
+        .decide(p.fingerprint)
         .map(Some)
     }
 }
@@ -1131,10 +1129,15 @@ impl Batches {
     }
 }
 
-/// Whether a failed batch statement was chosen as a deadlock's victim. Batches lock their
-/// keys in one order, so it should not happen; if it does, every key runs alone.
-fn deadlocked(e: &tokio_postgres::Error) -> bool {
-    e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+/// A batch statement's rows, or `None` when it was chosen as a deadlock's victim (then every
+/// key runs alone; batched inserts take their keys in one order, so it should be rare).
+fn unless_deadlocked(
+    found: Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+) -> Result<Option<Vec<tokio_postgres::Row>>, tokio_postgres::Error> {
+    match found {
+        Err(e) if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED) => Ok(None),
+        found => found.map(Some),
+    }
 }
 
 /// An ask about one key, known by its scope and key.
@@ -1217,12 +1220,13 @@ impl Item for NewKey {
         // unique index orders it with this insert, and it decides on the row it finds.
         let batch = one_per_key(batch, |w| w.answer(Ok(None)));
         db.metrics.batch(NewKey::OP, batch.len());
-        let tokens: Result<Option<Vec<Option<String>>>, StoreError> = db
+        let tokens = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
-                    return Ok(Some(vec![c.claim_new(one.ask.params()).await?]));
+                    let token = c.claim_new(one.ask.params()).await?;
+                    return Ok(Some(vec![token.map(LeaseToken)]));
                 }
-                let rows = match c
+                let found = c
                     .query(
                         CLAIM_NEW_BATCH_SQL,
                         CLAIM_NEW_BATCH_TYPES,
@@ -1235,30 +1239,21 @@ impl Item for NewKey {
                             &column(&batch, |k| k.ttl_ms),
                         ],
                     )
-                    .await
-                {
-                    Err(e) if deadlocked(&e) => return Ok(None),
-                    rows => rows?,
+                    .await;
+                let Some(rows) = unless_deadlocked(found)? else {
+                    return Ok(None);
                 };
                 let mut tokens = vec![None; batch.len()];
                 for (row, at) in rows.iter().zip(named(&batch, &rows)) {
                     if let Some(at) = at {
-                        tokens[at] = Some(row.get(2));
+                        tokens[at] = Some(LeaseToken(row.get(2)));
                     }
                 }
                 Ok(Some(tokens))
             })
             .await;
-        match tokens {
-            Ok(Some(tokens)) => {
-                for (w, token) in batch.into_iter().zip(tokens) {
-                    w.answer(Ok(token.map(LeaseToken)));
-                }
-            }
-            // The full statement, one key at a time, decides every case.
-            Ok(None) => batch.into_iter().for_each(|w| w.answer(Ok(None))),
-            Err(e) => fail_all(batch, &e),
-        }
+        // Without an answer, the full statement decides each key, one at a time.
+        answer_all(batch, tokens, |w| w.answer(Ok(None)));
     }
 }
 
@@ -1311,14 +1306,15 @@ impl Item for Completion {
     async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Completion>>) {
         let batch = one_per_key(batch, Completion::alone);
         db.metrics.batch(Completion::OP, batch.len());
-        let written: Result<Option<Vec<bool>>, StoreError> = db
+        let written = db
             .bounded(obj, async |c| {
                 if let [one] = &batch[..] {
                     let f = &one.ask;
-                    return Ok(Some(vec![c.finish_one(f.params(), &f.outcome).await?]));
+                    let written = c.finish_one(f.params(), &f.outcome).await?;
+                    return Ok(Some(vec![Finished::Written(written)]));
                 }
                 let rows: Vec<FinishRow<'_>> = column(&batch, |f| FinishRow::of(&f.outcome));
-                let done = match c
+                let found = c
                     .unnamed(
                         FINISH_BATCH_SQL,
                         FINISH_BATCH_TYPES,
@@ -1337,27 +1333,19 @@ impl Item for Completion {
                             &column(&batch, |f| f.id.as_str()),
                         ],
                     )
-                    .await
-                {
-                    Err(e) if deadlocked(&e) => return Ok(None),
-                    done => done?,
+                    .await;
+                let Some(done) = unless_deadlocked(found)? else {
+                    return Ok(None);
                 };
-                let mut written = vec![false; batch.len()];
+                let mut written: Vec<Finished> =
+                    batch.iter().map(|_| Finished::Written(false)).collect();
                 for at in named(&batch, &done).into_iter().flatten() {
-                    written[at] = true;
+                    written[at] = Finished::Written(true);
                 }
                 Ok(Some(written))
             })
             .await;
-        match written {
-            Ok(Some(written)) => {
-                for (w, written) in batch.into_iter().zip(written) {
-                    w.answer(Ok(Finished::Written(written)));
-                }
-            }
-            Ok(None) => batch.into_iter().for_each(Completion::alone),
-            Err(e) => fail_all(batch, &e),
-        }
+        answer_all(batch, written, Completion::alone);
     }
 }
 
