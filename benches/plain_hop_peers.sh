@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# What one plain request costs every process on its path, the gateway's hop against nginx's:
+# why a gateway that spends 1.3-1.4 times nginx's CPU per plain request runs at 0.7-0.8 of its
+# rate (BENCHMARKS.md, "Why 1.34 times the CPU is 0.78 of the rate").
+#
+#   cargo build --release && benches/plain_hop_peers.sh
+#
+# Starts, on free ports under a temporary directory: an nginx upstream (one worker, `POST
+# /plain/pay` answers 200 `{"ok":true}`, a stub_status listener to count what reached it), an
+# nginx proxy in front of it (one worker, keep-alive pool, the X-Forwarded-* headers, as the
+# shared perf harness's nginx-proxy), and the gateway (target/release/idemgate, route `plain`,
+# the embedded store, which a plain request never touches; WORKERS sets server.worker_threads,
+# default the cores available). Then, ROUNDS times, the gateway and the nginx proxy
+# alternated, each with one `wrk -t1 -c32` run of DUR seconds (default 10) of which the middle
+# DUR-2 are measured: per request, user and system CPU (µs) and context switches of the proxy
+# (all its threads), the upstream worker and wrk, from /proc; requests counted by the
+# upstream. Needs wrk, nginx and python3 (for free ports); run as root or as a user nginx
+# accepts (it drops to www-data only as root).
+set -euo pipefail
+
+ROUNDS=${ROUNDS:-3}
+DUR=${DUR:-10}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BIN=${BIN:-$ROOT/target/release/idemgate}
+for tool in wrk nginx python3; do
+  command -v "$tool" >/dev/null || { echo "plain_hop_peers.sh: $tool is missing" >&2; exit 2; }
+done
+[[ -x $BIN ]] || { echo "plain_hop_peers.sh: no $BIN (cargo build --release)" >&2; exit 2; }
+((DUR >= 4)) || { echo "plain_hop_peers.sh: DUR must be at least 4" >&2; exit 2; }
+
+WORK=$(mktemp -d)
+chmod 755 "$WORK"
+HZ=$(getconf CLK_TCK)
+PIDS=()
+cleanup() {
+  local p
+  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+UP=$(free_port) STATUS=$(free_port) PROXY=$(free_port) GW=$(free_port) ADMIN=$(free_port)
+USER_LINE=""
+[[ $(id -u) == 0 ]] && USER_LINE="user www-data;"
+# nginx with one worker, in the foreground (its master is our child); $1 name, $2 server blocks.
+start_nginx() {
+  mkdir -p "$WORK/$1"
+  cat >"$WORK/$1/nginx.conf" <<CONF
+worker_processes 1;
+daemon off;
+$USER_LINE
+pid $WORK/$1/nginx.pid;
+error_log $WORK/$1/error.log warn;
+events { worker_connections 8192; }
+http {
+    access_log off;
+    server_tokens off;
+    client_body_temp_path $WORK/$1/body;
+    proxy_temp_path $WORK/$1/proxy;
+    fastcgi_temp_path $WORK/$1/fastcgi;
+    uwsgi_temp_path $WORK/$1/uwsgi;
+    scgi_temp_path $WORK/$1/scgi;
+    keepalive_requests 100000000;
+    keepalive_timeout 120s;
+$2
+}
+CONF
+  nginx -c "$WORK/$1/nginx.conf" -e "$WORK/$1/error.log" &
+  PIDS+=($!)
+}
+start_nginx upstream "
+    server {
+        listen 127.0.0.1:$UP backlog=4096;
+        default_type application/json;
+        location = /plain/pay { return 200 '{\"ok\":true}'; }
+        location / { return 404 '{\"ok\":false}'; }
+    }
+    server {
+        listen 127.0.0.1:$STATUS;
+        location = /status { stub_status; }
+    }"
+start_nginx proxy "
+    upstream origin {
+        server 127.0.0.1:$UP;
+        keepalive 64;
+        keepalive_requests 100000000;
+        keepalive_timeout 120s;
+    }
+    server {
+        listen 127.0.0.1:$PROXY backlog=4096;
+        location / {
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_set_header Host \$host;
+            proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto \$scheme;
+            proxy_set_header X-Forwarded-Host \$host;
+        }
+    }"
+
+WORKERS_LINE=""
+[[ -n ${WORKERS:-} ]] && WORKERS_LINE="server: { worker_threads: $WORKERS }"
+cat >"$WORK/gateway.yaml" <<YAML
+listen: 127.0.0.1:$GW
+admin: { listen: 127.0.0.1:$ADMIN }
+$WORKERS_LINE
+store:
+  sqlite: { path: $WORK/store/keys.db }
+upstreams:
+  origin: { url: "http://127.0.0.1:$UP", connect_timeout: 1s, timeout: 10s }
+routes:
+  - name: plain
+    match: { path_prefix: /plain/ }
+    upstream: origin
+YAML
+"$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
+GW_PID=$!
+PIDS+=("$GW_PID")
+
+BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
+cat >"$WORK/request.lua" <<'LUA'
+wrk.method = "POST"
+wrk.path = "/plain/pay"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["X-Account-Id"] = "acct-1"
+function init(args) wrk.body = args[1] end
+LUA
+
+# Up to 10 s for the proxy (and so the upstream) and the gateway to answer a plain request.
+for port in "$PROXY" "$GW"; do
+  for _ in $(seq 100); do
+    curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" && break
+    sleep 0.1
+  done
+  curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" || {
+    echo "plain_hop_peers.sh: nothing answers on port $port; the logs:" >&2
+    cat "$WORK/gateway.log" "$WORK"/*/error.log >&2
+    exit 1
+  }
+done
+
+worker_of() { # the worker of the nginx whose master is $1
+  local w
+  for _ in $(seq 50); do
+    w=$(ps -o pid= --ppid "$1" | head -1 | tr -d ' ')
+    [[ -n $w ]] && { echo "$w"; return; }
+    sleep 0.1
+  done
+  echo "plain_hop_peers.sh: nginx $1 has no worker" >&2
+  exit 1
+}
+UPW=$(worker_of "${PIDS[0]}")
+PXW=$(worker_of "${PIDS[1]}")
+
+# "user system switches" of a process, all threads: ticks and context switches.
+sample() {
+  local pid=$1 line sw
+  read -r line <"/proc/$pid/stat"
+  line=${line##*) }
+  sw=$(cat /proc/"$pid"/task/*/status | awk '/^(non)?voluntary_ctxt_switches/ { s += $2 } END { print s }')
+  set -- $line
+  echo "${12} ${13} $sw"
+}
+served() { curl -s "http://127.0.0.1:$STATUS/status" | awk 'NR == 3 { print $3 }'; }
+
+# One measured run: $1 label, $2 port, $3 proxy pid.
+run() {
+  local wrk_pid a u w b u2 w2 n0 n1 n
+  wrk -t1 -c32 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$2" -- "$BODY" >"$WORK/wrk.out" &
+  wrk_pid=$!
+  sleep 1
+  a=$(sample "$3") u=$(sample "$UPW") w=$(sample "$wrk_pid") n0=$(served)
+  sleep $((DUR - 2))
+  b=$(sample "$3") u2=$(sample "$UPW") w2=$(sample "$wrk_pid") n1=$(served)
+  wait "$wrk_pid"
+  n=$((n1 - n0 - 1)) # the status request itself is counted
+  python3 - "$1" "$n" "$((DUR - 2))" "$HZ" "$a" "$b" "$u" "$u2" "$w" "$w2" <<'PY'
+import sys
+label, n, secs, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+cells, total = [], 0.0
+for before, after in zip(sys.argv[5::2], sys.argv[6::2]):
+    b, a = [int(x) for x in before.split()], [int(x) for x in after.split()]
+    usr, sys_ = ((a[i] - b[i]) * 1e6 / hz / n for i in (0, 1))
+    total += usr + sys_
+    cells.append(f"{usr:.1f} / {sys_:.1f} | {(a[2] - b[2]) / n:.2f}")
+print(f"| {label} | {n // secs:,} | " + " | ".join(cells) + f" | {total:.1f} |")
+PY
+}
+
+echo "$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?'); $(nginx -v 2>&1); wrk -t1 -c32, ${DUR}s runs, the middle $((DUR - 2))s measured; per request"
+echo
+echo "| run | requests/s | proxy user / sys, µs | proxy switches | upstream user / sys, µs | upstream switches | wrk user / sys, µs | wrk switches | all three, µs |"
+echo "|---|---:|---|---:|---|---:|---|---:|---:|"
+for _ in $(seq "$ROUNDS"); do
+  run "gateway${WORKERS:+, $WORKERS worker(s)}" "$GW" "$GW_PID"
+  run "nginx proxy" "$PROXY" "$PXW"
+done
