@@ -3,13 +3,14 @@
 # backends to be gone (settle), and one measured pgbench run (measure_pgbench).
 
 # What every script gets: a work directory removed at exit with the cluster (a script that
-# starts more, like a pooler, redefines cleanup), the clock tick for /proc times, and psql.
+# starts more redefines cleanup), the clock tick for /proc times, and psql.
 # Needs PGBIN.
 WORK=$(mktemp -d)
 chmod 755 "$WORK"
 HZ=$(getconf CLK_TCK)
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 cleanup() {
+  stop_pgbouncer
   stop_cluster
   rm -rf "$WORK"
 }
@@ -36,6 +37,50 @@ start_cluster() {
 
 stop_cluster() {
   as_pg "$PGBIN/pg_ctl" -D "$WORK/pg/data" -m fast -w stop >/dev/null 2>&1 || true
+}
+
+# Starts a PgBouncer (PGBOUNCER, as the postgres user when root) in transaction mode in front
+# of the cluster, with `default_pool_size` $1, on a free port; sets BPORT and BPID. cleanup
+# stops it at exit.
+start_pgbouncer() { # default_pool_size
+  BPORT=$(free_port)
+  mkdir -p "$WORK/bouncer"
+  cat >"$WORK/bouncer/pgbouncer.ini" <<INI
+[databases]
+* = host=127.0.0.1 port=$PORT
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = $BPORT
+unix_socket_dir =
+auth_type = trust
+auth_file = $WORK/bouncer/userlist.txt
+pool_mode = transaction
+ignore_startup_parameters = extra_float_digits
+max_client_conn = 1000
+default_pool_size = $1
+logfile = $WORK/bouncer/pgbouncer.log
+pidfile = $WORK/bouncer/pgbouncer.pid
+admin_users = postgres
+INI
+  echo '"postgres" ""' >"$WORK/bouncer/userlist.txt"
+  [[ $(id -u) == 0 ]] && chown -R postgres "$WORK/bouncer"
+  as_pg "$PGBOUNCER" -d "$WORK/bouncer/pgbouncer.ini"
+  for _ in $(seq 100); do [[ -s $WORK/bouncer/pgbouncer.pid ]] && break; sleep 0.1; done
+  BPID=$(cat "$WORK/bouncer/pgbouncer.pid")
+}
+
+stop_pgbouncer() {
+  [[ -s $WORK/bouncer/pgbouncer.pid ]] && kill "$(cat "$WORK/bouncer/pgbouncer.pid")" 2>/dev/null || true
+}
+
+# CPU ticks of one process (utime + stime).
+own_ticks() { # pid
+  local line
+  read -r line <"/proc/$1/stat"
+  line=${line##*) }
+  set -- $line
+  echo $((${12} + ${13}))
 }
 
 # CPU ticks of the cluster: the postmaster with its reaped children, and its live children.

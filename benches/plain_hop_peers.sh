@@ -31,10 +31,12 @@ done
 WORK=$(mktemp -d)
 chmod 755 "$WORK"
 HZ=$(getconf CLK_TCK)
-PIDS=()
+# start_upstream, start_proxy, stop_nginx, served, worker_of, wait_answering: benches/nginx.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/nginx.sh"
+GW_PID=""
 cleanup() {
-  local p
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+  [[ -n $GW_PID ]] && kill "$GW_PID" 2>/dev/null
+  stop_nginx
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
@@ -42,64 +44,8 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 UP=$(free_port) STATUS=$(free_port) PROXY=$(free_port) GW=$(free_port) ADMIN=$(free_port)
-USER_LINE=""
-[[ $(id -u) == 0 ]] && USER_LINE="user www-data;"
-# nginx with one worker, in the foreground (its master is our child); $1 name, $2 server blocks.
-start_nginx() {
-  mkdir -p "$WORK/$1"
-  cat >"$WORK/$1/nginx.conf" <<CONF
-worker_processes 1;
-daemon off;
-$USER_LINE
-pid $WORK/$1/nginx.pid;
-error_log $WORK/$1/error.log warn;
-events { worker_connections 8192; }
-http {
-    access_log off;
-    server_tokens off;
-    client_body_temp_path $WORK/$1/body;
-    proxy_temp_path $WORK/$1/proxy;
-    fastcgi_temp_path $WORK/$1/fastcgi;
-    uwsgi_temp_path $WORK/$1/uwsgi;
-    scgi_temp_path $WORK/$1/scgi;
-    keepalive_requests 100000000;
-    keepalive_timeout 120s;
-$2
-}
-CONF
-  nginx -c "$WORK/$1/nginx.conf" -e "$WORK/$1/error.log" &
-  PIDS+=($!)
-}
-start_nginx upstream "
-    server {
-        listen 127.0.0.1:$UP backlog=4096;
-        default_type application/json;
-        location = /plain/pay { return 200 '{\"ok\":true}'; }
-        location / { return 404 '{\"ok\":false}'; }
-    }
-    server {
-        listen 127.0.0.1:$STATUS;
-        location = /status { stub_status; }
-    }"
-start_nginx proxy "
-    upstream origin {
-        server 127.0.0.1:$UP;
-        keepalive 64;
-        keepalive_requests 100000000;
-        keepalive_timeout 120s;
-    }
-    server {
-        listen 127.0.0.1:$PROXY backlog=4096;
-        location / {
-            proxy_pass http://origin;
-            proxy_http_version 1.1;
-            proxy_set_header Connection \"\";
-            proxy_set_header Host \$host;
-            proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
-            proxy_set_header X-Forwarded-Proto \$scheme;
-            proxy_set_header X-Forwarded-Host \$host;
-        }
-    }"
+start_upstream "$UP" "$STATUS"
+start_proxy "$PROXY" "$UP"
 
 WORKERS_LINE=""
 [[ -n ${WORKERS:-} ]] && WORKERS_LINE="server: { worker_threads: $WORKERS }"
@@ -118,7 +64,6 @@ routes:
 YAML
 "$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!
-PIDS+=("$GW_PID")
 
 BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
 cat >"$WORK/request.lua" <<'LUA'
@@ -129,31 +74,10 @@ wrk.headers["X-Account-Id"] = "acct-1"
 function init(args) wrk.body = args[1] end
 LUA
 
-# Up to 10 s for the proxy (and so the upstream) and the gateway to answer a plain request.
-for port in "$PROXY" "$GW"; do
-  for _ in $(seq 100); do
-    curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" && break
-    sleep 0.1
-  done
-  curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" || {
-    echo "plain_hop_peers.sh: nothing answers on port $port; the logs:" >&2
-    cat "$WORK/gateway.log" "$WORK"/*/error.log >&2
-    exit 1
-  }
-done
-
-worker_of() { # the worker of the nginx whose master is $1
-  local w
-  for _ in $(seq 50); do
-    w=$(ps -o pid= --ppid "$1" | head -1 | tr -d ' ')
-    [[ -n $w ]] && { echo "$w"; return; }
-    sleep 0.1
-  done
-  echo "plain_hop_peers.sh: nginx $1 has no worker" >&2
-  exit 1
-}
-UPW=$(worker_of "${PIDS[0]}")
-PXW=$(worker_of "${PIDS[1]}")
+wait_answering "$PROXY" /plain/pay "$WORK"/*/error.log
+wait_answering "$GW" /plain/pay "$WORK/gateway.log"
+UPW=$(worker_of "${NGINX_MASTERS[0]}")
+PXW=$(worker_of "${NGINX_MASTERS[1]}")
 
 # "user system switches" of a process, all threads: ticks and context switches.
 sample() {
@@ -164,7 +88,6 @@ sample() {
   set -- $line
   echo "${12} ${13} $sw"
 }
-served() { curl -s "http://127.0.0.1:$STATUS/status" | awk 'NR == 3 { print $3 }'; }
 
 # One measured run: $1 label, $2 port, $3 proxy pid.
 run() {
@@ -172,9 +95,9 @@ run() {
   wrk -t1 -c32 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$2" -- "$BODY" >"$WORK/wrk.out" &
   wrk_pid=$!
   sleep 1
-  a=$(sample "$3") u=$(sample "$UPW") w=$(sample "$wrk_pid") n0=$(served)
+  a=$(sample "$3") u=$(sample "$UPW") w=$(sample "$wrk_pid") n0=$(served "$STATUS")
   sleep $((DUR - 2))
-  b=$(sample "$3") u2=$(sample "$UPW") w2=$(sample "$wrk_pid") n1=$(served)
+  b=$(sample "$3") u2=$(sample "$UPW") w2=$(sample "$wrk_pid") n1=$(served "$STATUS")
   wait "$wrk_pid"
   n=$((n1 - n0 - 1)) # the status request itself is counted
   python3 - "$1" "$n" "$((DUR - 2))" "$HZ" "$a" "$b" "$u" "$u2" "$w" "$w2" <<'PY'

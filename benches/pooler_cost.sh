@@ -51,51 +51,11 @@ PGBIN=${PGBIN:-$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)}
 PGBOUNCER=${PGBOUNCER:-$(command -v pgbouncer || echo /usr/sbin/pgbouncer)}
 ROOT=$(git rev-parse --show-toplevel)
 
-# WORK, HZ, psql_q, start_cluster (stopped at exit), ticks and settle: benches/cluster.sh.
+# WORK, HZ, psql_q, start_cluster and start_pgbouncer (stopped at exit), ticks, own_ticks and
+# settle: benches/cluster.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
-BPORT=$(free_port)
-mkdir -p "$WORK/bouncer"
-[[ $(id -u) == 0 ]] && chown postgres "$WORK/bouncer"
-cat >"$WORK/bouncer/pgbouncer.ini" <<INI
-[databases]
-* = host=127.0.0.1 port=$PORT
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = $BPORT
-unix_socket_dir =
-auth_type = trust
-auth_file = $WORK/bouncer/userlist.txt
-pool_mode = transaction
-ignore_startup_parameters = extra_float_digits
-max_client_conn = 1000
-default_pool_size = $CLIENTS
-logfile = $WORK/bouncer/pgbouncer.log
-pidfile = $WORK/bouncer/pgbouncer.pid
-admin_users = postgres
-INI
-echo '"postgres" ""' >"$WORK/bouncer/userlist.txt"
-[[ $(id -u) == 0 ]] && chown postgres "$WORK/bouncer"/*
-as_pg "$PGBOUNCER" -d "$WORK/bouncer/pgbouncer.ini"
-cleanup() {
-  [[ -s $WORK/bouncer/pgbouncer.pid ]] && kill "$(cat "$WORK/bouncer/pgbouncer.pid")" 2>/dev/null || true
-  stop_cluster
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
-for _ in $(seq 100); do [[ -s $WORK/bouncer/pgbouncer.pid ]] && break; sleep 0.1; done
-BPID=$(cat "$WORK/bouncer/pgbouncer.pid")
-
-# CPU ticks of one process (utime + stime).
-own_ticks() { # pid
-  local line
-  read -r line <"/proc/$1/stat"
-  line=${line##*) }
-  set -- $line
-  echo $((${12} + ${13}))
-}
-
+start_pgbouncer "$CLIENTS"
 
 # The text of `const NAME: &str = "...";` in src/store/postgres.rs.
 sql_const() { # name

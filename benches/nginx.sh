@@ -1,0 +1,108 @@
+# Sourced by the benchmark scripts that need nginx: an upstream that answers every benchmark
+# route 200 `{"ok":true}` with a stub_status listener (which counts what reached it), or
+# nginx's own proxy hop in front of it. Each nginx runs one worker in the foreground as a child
+# of the script; stop_nginx (call it from the script's cleanup) stops them. Needs WORK.
+
+NGINX_MASTERS=()
+
+# Starts an nginx named $1 (its files under $WORK/$1) serving the server blocks $2.
+start_nginx() { # name servers
+  local user_line=""
+  [[ $(id -u) == 0 ]] && user_line="user www-data;"
+  mkdir -p "$WORK/$1"
+  cat >"$WORK/$1/nginx.conf" <<CONF
+worker_processes 1;
+daemon off;
+$user_line
+pid $WORK/$1/nginx.pid;
+error_log $WORK/$1/error.log warn;
+events { worker_connections 8192; }
+http {
+    access_log off;
+    server_tokens off;
+    client_body_temp_path $WORK/$1/body;
+    proxy_temp_path $WORK/$1/proxy;
+    fastcgi_temp_path $WORK/$1/fastcgi;
+    uwsgi_temp_path $WORK/$1/uwsgi;
+    scgi_temp_path $WORK/$1/scgi;
+    keepalive_requests 100000000;
+    keepalive_timeout 120s;
+$2
+}
+CONF
+  nginx -c "$WORK/$1/nginx.conf" -e "$WORK/$1/error.log" &
+  NGINX_MASTERS+=($!)
+}
+
+stop_nginx() {
+  local p
+  for p in "${NGINX_MASTERS[@]}"; do kill "$p" 2>/dev/null || true; done
+}
+
+# The upstream: `POST /pay` and `POST /plain/pay` answer 200 on port $1, stub_status on $2.
+start_upstream() { # port status_port
+  start_nginx upstream "
+    server {
+        listen 127.0.0.1:$1 backlog=4096;
+        default_type application/json;
+        location = /pay       { return 200 '{\"ok\":true}'; }
+        location = /plain/pay { return 200 '{\"ok\":true}'; }
+        location /            { return 404 '{\"ok\":false}'; }
+    }
+    server {
+        listen 127.0.0.1:$2;
+        location = /status { stub_status; }
+    }"
+}
+
+# nginx as a plain proxy hop on port $1 to the upstream on $2: a keep-alive pool and the
+# X-Forwarded-* headers the gateway sets, as the shared perf harness's nginx-proxy.
+start_proxy() { # port upstream_port
+  start_nginx proxy "
+    upstream origin {
+        server 127.0.0.1:$2;
+        keepalive 64;
+        keepalive_requests 100000000;
+        keepalive_timeout 120s;
+    }
+    server {
+        listen 127.0.0.1:$1 backlog=4096;
+        location / {
+            proxy_pass http://origin;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+            proxy_set_header Host \$host;
+            proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for;
+            proxy_set_header X-Forwarded-Proto \$scheme;
+            proxy_set_header X-Forwarded-Host \$host;
+        }
+    }"
+}
+
+# Requests the upstream whose stub_status listens on $1 has served.
+served() { curl -s "http://127.0.0.1:$1/status" | awk 'NR == 3 { print $3 }'; }
+
+# The worker of the nginx whose master is $1.
+worker_of() { # master_pid
+  local w
+  for _ in $(seq 50); do
+    w=$(ps -o pid= --ppid "$1" | head -1 | tr -d ' ')
+    [[ -n $w ]] && { echo "$w"; return; }
+    sleep 0.1
+  done
+  echo "nginx $1 has no worker" >&2
+  return 1
+}
+
+# Waits up to 10 s for `POST $2` on port $1 to answer 2xx; on failure prints the logs $3...
+wait_answering() { # port path log...
+  local port=$1 path=$2
+  shift 2
+  for _ in $(seq 100); do
+    curl -sf -o /dev/null -X POST "http://127.0.0.1:$port$path" && return
+    sleep 0.1
+  done
+  echo "nothing answers POST $path on port $port; the logs:" >&2
+  cat "$@" >&2
+  return 1
+}
