@@ -133,7 +133,7 @@ impl AccessLine {
                 line.field("method", Value::Str(method))
                     .field("path", Value::Str(path))
                     .field("proto", Value::Str(proto))
-                    .field("client", Value::Display(&client))
+                    .field("client", Value::Ip(client))
                     .field("route", Value::Str(route))
                     .field("outcome", Value::Str(self.outcome))
                     .field("status", Value::U64(u64::from(status)))

@@ -119,7 +119,7 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembers {
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         // Objects are small: a vector beats a hash set until they are not.
         let mut seen: Vec<std::borrow::Cow<'de, str>> = Vec::new();
-        while let Some(name) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+        while let Some(name) = map.next_key_seed(MemberName)? {
             if seen.contains(&name) {
                 return Err(serde::de::Error::custom("repeated member name"));
             }
@@ -154,19 +154,45 @@ impl<'de> serde::de::Visitor<'de> for UniqueMembers {
     }
 }
 
+/// A member name, borrowed from the body unless it has escapes (serde's own `Cow<str>` would
+/// copy every name into a `String`). Escaped or not, equal names compare equal.
+struct MemberName;
+
+impl<'de> serde::de::DeserializeSeed<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for MemberName {
+    type Value = std::borrow::Cow<'de, str>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a member name")
+    }
+
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Borrowed(v))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(std::borrow::Cow::Owned(v.to_owned()))
+    }
+}
+
 /// Whether a request says its body is JSON (`application/json` or `+json`).
 pub fn is_json_content_type(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            v.split(';')
-                .next()
-                .unwrap_or("")
-                .trim()
-                .to_ascii_lowercase()
+        .map(|v| v.split(';').next().unwrap_or("").trim())
+        .is_some_and(|mime| {
+            mime.eq_ignore_ascii_case("application/json")
+                || mime
+                    .get(mime.len().saturating_sub(5)..)
+                    .is_some_and(|tail| tail.eq_ignore_ascii_case("+json"))
         })
-        .is_some_and(|mime| mime == "application/json" || mime.ends_with("+json"))
 }
 
 /// The stored form of a scope: its source, then the value (see the module docs).
@@ -416,6 +442,34 @@ mod tests {
         assert_eq!(has_duplicate_member(br#"{"a":1,"\u0061":2}"#), Some(true));
         assert_eq!(has_duplicate_member(b"{\"a\":"), None);
         assert_eq!(has_duplicate_member(b"not json"), None);
+        // Both spelled with escapes, and a name escaped only in its second spelling.
+        assert_eq!(
+            has_duplicate_member(br#"{"\u00e9":1,"x":{"\u00e9":2},"\u00e9":3}"#),
+            Some(true)
+        );
+        assert_eq!(has_duplicate_member(br#"{"ab":1,"a\u0062":2}"#), Some(true));
+        assert_eq!(has_duplicate_member(br#"{"a\"":1,"a\\":2}"#), Some(false));
+    }
+
+    #[test]
+    fn json_content_types_are_recognised_in_any_case() {
+        let says = |v: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static(v),
+            );
+            is_json_content_type(&h)
+        };
+        assert!(says("application/json"));
+        assert!(says("Application/JSON; charset=utf-8"));
+        assert!(says(" application/problem+json ;q=1"));
+        assert!(says("application/VND.API+JSON"));
+        assert!(!says("text/plain"));
+        assert!(!says("application/json5"));
+        assert!(!says("json"));
+        assert!(!says("application/jsonx"));
+        assert!(!is_json_content_type(&HeaderMap::new()));
     }
 
     #[test]

@@ -60,10 +60,19 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
+///
+/// One pass over the names present finds what to remove: most messages carry no hop-by-hop
+/// header, or only `Connection` (and `Keep-Alive`), and a map lookup per hop-by-hop name
+/// costs more than the pass.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    if headers.contains_key(header::CONNECTION) {
-        // A token naming a hop-by-hop header (`keep-alive`, the usual one) is removed below
-        // anyway: only other names are collected, so the usual case allocates nothing.
+    let mut doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| crate::headers::is_hop_by_hop(name))
+        .cloned()
+        .collect();
+    if doomed.contains(&header::CONNECTION) {
+        // A token naming a hop-by-hop header (`keep-alive`, the usual one) was found above if
+        // it is there: only other names are added.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -77,11 +86,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             })
             .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
-        for name in named {
-            headers.remove(name);
-        }
+        doomed.extend(named);
     }
-    for name in &crate::headers::HOP_BY_HOP {
+    for name in doomed {
         headers.remove(name);
     }
 }
@@ -428,8 +435,11 @@ const GATEWAY_ONLY: [HeaderName; 2] = [
 /// headers by which the gateway says a response is a replay or bypassed its store.
 pub fn clean_response_headers(headers: &mut HeaderMap) {
     strip_hop_by_hop(headers);
-    for name in &GATEWAY_ONLY {
-        headers.remove(name);
+    // Almost never there: looked for in one pass before any lookup.
+    if headers.keys().any(|name| GATEWAY_ONLY.contains(name)) {
+        for name in &GATEWAY_ONLY {
+            headers.remove(name);
+        }
     }
 }
 
@@ -464,6 +474,44 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("content-type"));
+    }
+
+    #[test]
+    fn a_response_loses_hop_by_hop_and_gateway_only_headers_and_nothing_else() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", "keep-alive, x-hop".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        h.insert("transfer-encoding", "chunked".parse().unwrap());
+        h.insert("idempotent-replayed", "true".parse().unwrap());
+        h.insert("idempotency-status", "bypassed".parse().unwrap());
+        h.insert("content-type", "application/json".parse().unwrap());
+        h.append("set-cookie", "a=1".parse().unwrap());
+        h.append("set-cookie", "b=2".parse().unwrap());
+        clean_response_headers(&mut h);
+        // Removing reorders the names (a field's own values keep their order).
+        let mut left: Vec<_> = h
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                ("content-type", "application/json"),
+                ("set-cookie", "a=1"),
+                ("set-cookie", "b=2")
+            ]
+        );
+
+        // Without any of them every header stays, values in order.
+        let mut plain = HeaderMap::new();
+        plain.insert("content-type", "text/plain".parse().unwrap());
+        plain.append("vary", "accept".parse().unwrap());
+        plain.append("vary", "origin".parse().unwrap());
+        let before = plain.clone();
+        clean_response_headers(&mut plain);
+        assert_eq!(plain, before);
     }
 
     #[test]
