@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Instructions per request, counted by valgrind's callgrind: a measure of the gateway's own
+# user-space work that the noise of a shared machine does not move, for comparing builds
+# (BENCHMARKS.md, "Instructions per request").
+#
+#   cargo build --release && benches/instructions.sh [BIN ...]
+#
+# For each binary (default target/release/idemgate) and each scenario: starts the gateway
+# under callgrind (embedded store, an nginx upstream on a free port), warms it up with WARMUP
+# seconds (5) of `wrk -t1 -c8`, zeroes the counters, runs DUR seconds (10), dumps, and
+# prints the instructions executed in the gateway's process divided by the requests wrk
+# completed. Scenarios: `plain` (`POST /plain/pay` on a route without idempotency: the plain
+# hop) and `replay` (`POST /pay` with one Idempotency-Key for the whole run: the first request
+# executes, every other one is replayed from memory). The request is the shared perf
+# harness's (~200-byte JSON body, Content-Type, X-Account-Id).
+#
+# Under valgrind SHA-256 runs in its portable code (valgrind does not emulate the CPU's SHA
+# instructions), so a replay's three hashes count several times what they cost natively: compare
+# replays between builds, not against the plain hop. Needs valgrind, wrk, nginx, python3.
+set -euo pipefail
+
+DUR=${DUR:-10}
+WARMUP=${WARMUP:-5}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BINS=("$@")
+((${#BINS[@]})) || BINS=("$ROOT/target/release/idemgate")
+for tool in valgrind callgrind_control callgrind_annotate wrk nginx python3; do
+  command -v "$tool" >/dev/null || { echo "instructions.sh: $tool is missing" >&2; exit 2; }
+done
+for bin in "${BINS[@]}"; do
+  [[ -x $bin ]] || { echo "instructions.sh: no $bin (cargo build --release)" >&2; exit 2; }
+done
+
+WORK=$(mktemp -d)
+chmod 755 "$WORK"
+# start_upstream, stop_nginx, wait_answering: benches/nginx.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/nginx.sh"
+GW_PID=""
+stop_gateway() {
+  [[ -n $GW_PID ]] || return 0
+  kill "$GW_PID" 2>/dev/null || true
+  wait "$GW_PID" 2>/dev/null || true
+  GW_PID=""
+}
+cleanup() {
+  stop_gateway
+  stop_nginx
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+UP=$(free_port) STATUS=$(free_port)
+start_upstream "$UP" "$STATUS"
+wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
+
+BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
+cat >"$WORK/request.lua" <<'LUA'
+-- args: path, body, and an Idempotency-Key (or "-" for none)
+function init(args)
+  wrk.method = "POST"
+  wrk.path = args[1]
+  wrk.body = args[2]
+  wrk.headers["Content-Type"] = "application/json"
+  wrk.headers["X-Account-Id"] = "acct-1"
+  if args[3] ~= "-" then wrk.headers["Idempotency-Key"] = args[3] end
+end
+LUA
+
+RUN=0
+# Counts one binary ($1) in one scenario ($2): sets TOTAL (instructions) and N (requests).
+count() { # bin scenario
+  local port admin path key out n total
+  RUN=$((RUN + 1))
+  port=$(free_port) admin=$(free_port)
+  case $2 in
+    plain) path=/plain/pay key=- ;;
+    replay) path=/pay key=replayed-$RUN ;;
+  esac
+  cat >"$WORK/gateway-$RUN.yaml" <<YAML
+listen: 127.0.0.1:$port
+admin: { listen: "127.0.0.1:$admin" }
+store:
+  sqlite: { path: $WORK/store-$RUN/keys.db }
+upstreams:
+  origin: { url: "http://127.0.0.1:$UP", connect_timeout: 1s, timeout: 10s }
+routes:
+  - name: pay
+    match: { path: /pay, methods: [POST] }
+    upstream: origin
+    idempotency:
+      key: [ { header: Idempotency-Key } ]
+      scope: { header: X-Account-Id }
+      required: true
+      methods: [POST]
+  - name: plain
+    match: { path_prefix: /plain/ }
+    upstream: origin
+YAML
+  out=$WORK/callgrind-$RUN
+  valgrind --tool=callgrind --callgrind-out-file="$out.%p" \
+    "$1" serve --config "$WORK/gateway-$RUN.yaml" >"$WORK/gateway-$RUN.log" 2>&1 &
+  GW_PID=$!
+  for _ in $(seq 600); do
+    curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" && break
+    sleep 0.1
+  done
+  wrk -t1 -c8 -d"${WARMUP}s" -s "$WORK/request.lua" "http://127.0.0.1:$port" -- "$path" "$BODY" "$key" >/dev/null
+  callgrind_control -z "$GW_PID" >/dev/null 2>&1
+  n=$(wrk -t1 -c8 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$port" -- "$path" "$BODY" "$key" |
+    sed -n 's/^ *\([0-9]*\) requests in.*/\1/p')
+  callgrind_control -d "$GW_PID" >/dev/null 2>&1
+  stop_gateway
+  total=$(callgrind_annotate "$out".*.1 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' | tr -d ,)
+  [[ -n $n && -n $total ]] || { echo "instructions.sh: no count for $1 $2; its log:" >&2; tail -20 "$WORK/gateway-$RUN.log" >&2; exit 1; }
+  TOTAL=$total N=$n
+}
+
+echo "$(valgrind --version); wrk -t1 -c8, ${DUR}s counted after ${WARMUP}s of warm-up"
+echo
+echo "| binary | scenario | requests | instructions per request |"
+echo "|---|---|---:|---:|"
+for bin in "${BINS[@]}"; do
+  for scenario in plain replay; do
+    count "$bin" "$scenario"
+    echo "| $bin | $scenario | $N | $((TOTAL / N)) |"
+  done
+done
