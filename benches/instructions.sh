@@ -33,8 +33,8 @@ done
 
 WORK=$(mktemp -d)
 chmod 755 "$WORK"
-# start_upstream, stop_nginx, wait_answering: benches/nginx.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/nginx.sh"
+# start_upstream, stop_nginx, wait_answering, gateway_routes: benches/http.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GW_PID=""
 stop_gateway() {
   [[ -n $GW_PID ]] || return 0
@@ -83,20 +83,7 @@ listen: 127.0.0.1:$port
 admin: { listen: "127.0.0.1:$admin" }
 store:
   sqlite: { path: $WORK/store-$RUN/keys.db }
-upstreams:
-  origin: { url: "http://127.0.0.1:$UP", connect_timeout: 1s, timeout: 10s }
-routes:
-  - name: pay
-    match: { path: /pay, methods: [POST] }
-    upstream: origin
-    idempotency:
-      key: [ { header: Idempotency-Key } ]
-      scope: { header: X-Account-Id }
-      required: true
-      methods: [POST]
-  - name: plain
-    match: { path_prefix: /plain/ }
-    upstream: origin
+$(gateway_routes "$UP")
 YAML
   out=$WORK/callgrind-$RUN
   valgrind --tool=callgrind --callgrind-out-file="$out.%p" \

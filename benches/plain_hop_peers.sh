@@ -31,8 +31,9 @@ done
 WORK=$(mktemp -d)
 chmod 755 "$WORK"
 HZ=$(getconf CLK_TCK)
-# start_upstream, start_proxy, stop_nginx, served, worker_of, wait_answering: benches/nginx.sh.
-source "$(dirname "${BASH_SOURCE[0]}")/nginx.sh"
+# start_upstream, start_proxy, stop_nginx, served, worker_of, wait_answering, gateway_routes:
+# benches/http.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GW_PID=""
 cleanup() {
   [[ -n $GW_PID ]] && kill "$GW_PID" 2>/dev/null
@@ -55,12 +56,7 @@ admin: { listen: 127.0.0.1:$ADMIN }
 $WORKERS_LINE
 store:
   sqlite: { path: $WORK/store/keys.db }
-upstreams:
-  origin: { url: "http://127.0.0.1:$UP", connect_timeout: 1s, timeout: 10s }
-routes:
-  - name: plain
-    match: { path_prefix: /plain/ }
-    upstream: origin
+$(gateway_routes "$UP")
 YAML
 "$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!

@@ -32,9 +32,10 @@ done
 [[ -x $BIN ]] || { echo "pooler_batches.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT, PM), start_pgbouncer (sets BPORT,
-# BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx, wait_answering: benches/nginx.sh.
+# BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx,
+# wait_answering and gateway_routes: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
-source "$(dirname "${BASH_SOURCE[0]}")/nginx.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GATEWAYS=()
 cleanup() {
   local p
@@ -71,22 +72,7 @@ $2
     connect_timeout: 2s
     statement_timeout: 2s
     tls: { mode: disable }
-upstreams:
-  origin: { url: "http://127.0.0.1:$UP", connect_timeout: 1s, timeout: 10s }
-routes:
-  - name: pay
-    match: { path: /pay, methods: [POST] }
-    upstream: origin
-    idempotency:
-      key: [ { header: Idempotency-Key } ]
-      scope: { header: X-Account-Id }
-      required: true
-      methods: [POST]
-      ttl: 24h
-      lease: 30s
-  - name: plain
-    match: { path_prefix: /plain/ }
-    upstream: origin
+$(gateway_routes "$UP")
 YAML
 }
 gateway_config direct "    url: $DIRECT" 32

@@ -1,7 +1,8 @@
-# Sourced by the benchmark scripts that need nginx: an upstream that answers every benchmark
-# route 200 `{"ok":true}` with a stub_status listener (which counts what reached it), or
-# nginx's own proxy hop in front of it. Each nginx runs one worker in the foreground as a child
-# of the script; stop_nginx (call it from the script's cleanup) stops them. Needs WORK.
+# Sourced by the benchmark scripts that drive HTTP: an nginx upstream that answers every
+# benchmark route 200 `{"ok":true}` with a stub_status listener (which counts what reached it),
+# nginx's own proxy hop in front of it, and the gateway's routes to that upstream. Each nginx
+# runs one worker in the foreground as a child of the script; stop_nginx (call it from the
+# script's cleanup) stops them. Needs WORK.
 
 NGINX_MASTERS=()
 
@@ -105,4 +106,28 @@ wait_answering() { # port path log...
   echo "nothing answers POST $path on port $port; the logs:" >&2
   cat "$@" >&2
   return 1
+}
+
+# The gateway configuration's `upstreams` and `routes` for an upstream on port $1: the shared
+# perf harness's two routes, `pay` (`POST /pay`, key from Idempotency-Key, scope from
+# X-Account-Id) and `plain` (`/plain/`, no idempotency).
+gateway_routes() { # upstream_port
+  cat <<YAML
+upstreams:
+  origin: { url: "http://127.0.0.1:$1", connect_timeout: 1s, timeout: 10s }
+routes:
+  - name: pay
+    match: { path: /pay, methods: [POST] }
+    upstream: origin
+    idempotency:
+      key: [ { header: Idempotency-Key } ]
+      scope: { header: X-Account-Id }
+      required: true
+      methods: [POST]
+      ttl: 24h
+      lease: 30s
+  - name: plain
+    match: { path_prefix: /plain/ }
+    upstream: origin
+YAML
 }
