@@ -8,7 +8,7 @@ use http::header;
 /// The hop-by-hop headers of RFC 9110 section 7.6.1 (plus the legacy `proxy-connection`).
 /// Pre-parsed, so stripping them costs no header-name parsing per request. `Trailer` is not
 /// one (it is end-to-end, RFC 9110 section 6.6.2): an HTTP/1.1 client needs it to be sent
-/// the trailers it announces.
+/// the trailers it announces. `Connection` stays first (`forward::strip_hop_by_hop` relies on it).
 pub const HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),

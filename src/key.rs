@@ -188,10 +188,8 @@ pub fn is_json_content_type(headers: &HeaderMap) -> bool {
         .and_then(|v| v.to_str().ok())
         .map(|v| v.split(';').next().unwrap_or("").trim())
         .is_some_and(|mime| {
-            mime.eq_ignore_ascii_case("application/json")
-                || mime
-                    .get(mime.len().saturating_sub(5)..)
-                    .is_some_and(|tail| tail.eq_ignore_ascii_case("+json"))
+            let tail = &mime.as_bytes()[mime.len().saturating_sub(5)..];
+            mime.eq_ignore_ascii_case("application/json") || tail.eq_ignore_ascii_case(b"+json")
         })
 }
 

@@ -61,18 +61,24 @@ const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 
 /// Removes hop-by-hop headers, including every header named in `Connection`.
 ///
-/// One pass over the names present finds what to remove: most messages carry no hop-by-hop
-/// header, or only `Connection` (and `Keep-Alive`), and a map lookup per hop-by-hop name
-/// costs more than the pass.
+/// One pass over the names present marks which hop-by-hop names are there (a bit each, no
+/// allocation): most messages carry none, or only `Connection` (and `Keep-Alive`), and a map
+/// lookup per hop-by-hop name costs more than the pass.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    let mut doomed: Vec<HeaderName> = headers
-        .keys()
-        .filter(|name| crate::headers::is_hop_by_hop(name))
-        .cloned()
-        .collect();
-    if doomed.contains(&header::CONNECTION) {
-        // A token naming a hop-by-hop header (`keep-alive`, the usual one) was found above if
-        // it is there: only other names are added.
+    use crate::headers::HOP_BY_HOP;
+    let present = headers.keys().fold(0u8, |bits, name| {
+        HOP_BY_HOP
+            .iter()
+            .position(|h| h == name)
+            .map_or(bits, |i| bits | 1 << i)
+    });
+    if present == 0 {
+        return;
+    }
+    // `Connection` is `HOP_BY_HOP[0]`.
+    if present & 1 != 0 {
+        // A token naming a hop-by-hop header (`keep-alive`, the usual one) is removed below
+        // anyway: only other names are collected, so the usual case allocates nothing.
         let named: Vec<HeaderName> = headers
             .get_all(header::CONNECTION)
             .iter()
@@ -80,16 +86,20 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             .flat_map(|v| v.split(','))
             .map(str::trim)
             .filter(|t| {
-                !crate::headers::HOP_BY_HOP
+                !HOP_BY_HOP
                     .iter()
                     .any(|h| t.eq_ignore_ascii_case(h.as_str()))
             })
             .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
             .collect();
-        doomed.extend(named);
+        for name in named {
+            headers.remove(name);
+        }
     }
-    for name in doomed {
-        headers.remove(name);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & 1 << i != 0 {
+            headers.remove(name);
+        }
     }
 }
 
