@@ -2,12 +2,10 @@
 # (start_cluster), CPU accounting of it from /proc (ticks), waiting for a database's
 # backends to be gone (settle), and one measured pgbench run (measure_pgbench).
 
-# What every script gets: a work directory removed at exit with the cluster (a script that
-# starts more redefines cleanup), the clock tick for /proc times, and psql.
-# Needs PGBIN.
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-HZ=$(getconf CLK_TCK)
+# What every script gets: WORK, HZ and free_port (benches/work.sh), the cluster (and a pooler)
+# stopped at exit with the work directory removed (a script that starts more redefines
+# cleanup), and psql. Needs PGBIN.
+source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 psql_q() { "$PGBIN/psql" -X -q -v ON_ERROR_STOP=1 "$@"; }
 cleanup() {
   stop_pgbouncer
@@ -18,8 +16,6 @@ trap cleanup EXIT
 
 # Runs a command as the postgres user when running as root (initdb refuses root).
 as_pg() { if [[ $(id -u) == 0 ]]; then runuser -u postgres -- "$@"; else "$@"; fi; }
-
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 # Starts a cluster with stock settings (fsync and synchronous_commit on) under $WORK/pg, from
 # $PGBIN, on a free port; sets PORT and PM (the postmaster's pid) and points libpq's

@@ -2,7 +2,26 @@
 # benchmark route 200 `{"ok":true}` with a stub_status listener (which counts what reached it),
 # nginx's own proxy hop in front of it, and the gateway's routes to that upstream. Each nginx
 # runs one worker in the foreground as a child of the script; stop_nginx (call it from the
-# script's cleanup) stops them. Needs WORK.
+# script's cleanup) stops them. Needs WORK (benches/work.sh).
+
+# The request body of every benchmark request: the shared perf harness's, about 200 bytes.
+BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
+
+# Writes to $1 a wrk script sending one fixed request: `POST` to the path given as wrk's first
+# script argument, the body as its second, JSON, `X-Account-Id: acct-1`, and as its third an
+# Idempotency-Key (`-` for none).
+request_lua() { # file
+  cat >"$1" <<'LUA'
+function init(args)
+  wrk.method = "POST"
+  wrk.path = args[1]
+  wrk.body = args[2]
+  wrk.headers["Content-Type"] = "application/json"
+  wrk.headers["X-Account-Id"] = "acct-1"
+  if args[3] ~= "-" then wrk.headers["Idempotency-Key"] = args[3] end
+end
+LUA
+}
 
 NGINX_MASTERS=()
 

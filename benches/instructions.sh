@@ -31,9 +31,9 @@ for bin in "${BINS[@]}"; do
   [[ -x $bin ]] || { echo "instructions.sh: no $bin (cargo build --release)" >&2; exit 2; }
 done
 
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-# start_upstream, stop_nginx, wait_answering, gateway_routes: benches/http.sh.
+# WORK, free_port: benches/work.sh. BODY, request_lua, start_upstream, stop_nginx,
+# wait_answering, gateway_routes: benches/http.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GW_PID=""
 stop_gateway() {
@@ -49,24 +49,12 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 UP=$(free_port) STATUS=$(free_port)
 start_upstream "$UP" "$STATUS"
 wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
 
-BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
-cat >"$WORK/request.lua" <<'LUA'
--- args: path, body, and an Idempotency-Key (or "-" for none)
-function init(args)
-  wrk.method = "POST"
-  wrk.path = args[1]
-  wrk.body = args[2]
-  wrk.headers["Content-Type"] = "application/json"
-  wrk.headers["X-Account-Id"] = "acct-1"
-  if args[3] ~= "-" then wrk.headers["Idempotency-Key"] = args[3] end
-end
-LUA
+request_lua "$WORK/request.lua"
 
 RUN=0
 # Counts one binary ($1) in one scenario ($2): sets TOTAL (instructions) and N (requests).

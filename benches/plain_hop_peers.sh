@@ -28,11 +28,9 @@ done
 [[ -x $BIN ]] || { echo "plain_hop_peers.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 ((DUR >= 4)) || { echo "plain_hop_peers.sh: DUR must be at least 4" >&2; exit 2; }
 
-WORK=$(mktemp -d)
-chmod 755 "$WORK"
-HZ=$(getconf CLK_TCK)
-# start_upstream, start_proxy, stop_nginx, served, worker_of, wait_answering, gateway_routes:
-# benches/http.sh.
+# WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, start_proxy,
+# stop_nginx, served, worker_of, wait_answering, gateway_routes: benches/http.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GW_PID=""
 cleanup() {
@@ -42,7 +40,6 @@ cleanup() {
   rm -rf "$WORK"
 }
 trap cleanup EXIT
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
 UP=$(free_port) STATUS=$(free_port) PROXY=$(free_port) GW=$(free_port) ADMIN=$(free_port)
 start_upstream "$UP" "$STATUS"
@@ -61,14 +58,7 @@ YAML
 "$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!
 
-BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
-cat >"$WORK/request.lua" <<'LUA'
-wrk.method = "POST"
-wrk.path = "/plain/pay"
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["X-Account-Id"] = "acct-1"
-function init(args) wrk.body = args[1] end
-LUA
+request_lua "$WORK/request.lua"
 
 wait_answering "$PROXY" /plain/pay "$WORK"/*/error.log
 wait_answering "$GW" /plain/pay "$WORK/gateway.log"
@@ -88,7 +78,7 @@ sample() {
 # One measured run: $1 label, $2 port, $3 proxy pid.
 run() {
   local wrk_pid a u w b u2 w2 n0 n1 n
-  wrk -t1 -c32 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$2" -- "$BODY" >"$WORK/wrk.out" &
+  wrk -t1 -c32 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$2" -- /plain/pay "$BODY" - >"$WORK/wrk.out" &
   wrk_pid=$!
   sleep 1
   a=$(sample "$3") u=$(sample "$UPW") w=$(sample "$wrk_pid") n0=$(served "$STATUS")

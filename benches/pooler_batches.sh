@@ -33,7 +33,7 @@ done
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT, PM), start_pgbouncer (sets BPORT,
 # BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx,
-# wait_answering and gateway_routes: benches/http.sh.
+# wait_answering, gateway_routes and BODY: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GATEWAYS=()
@@ -94,7 +94,6 @@ for name in "${NAMES[@]}"; do
   wait_answering "${GW_PORT[$name]}" /plain/pay "$WORK/$name.log"
 done
 
-BODY='{"amount":100,"currency":"EUR","note":"perf body padding padding padding padding padding padding padding padding padding padding padding padding padding padding padding pad"}'
 # A new Idempotency-Key in every request (a prefix per run and a counter), 100 accounts.
 cat >"$WORK/new_keys.lua" <<'LUA'
 local body, prefix, counter = nil, nil, 0
