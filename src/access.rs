@@ -128,22 +128,22 @@ impl AccessLine {
                 tracing::enabled!(target: "idemgate::access", tracing::Level::INFO)
             };
             if enabled {
-                use crate::logging::{Event, Value};
+                use crate::logging::{Event, Value, field_name};
                 let mut line = Event::new(format, warn, "idemgate::access", "request");
-                line.field("method", Value::Str(method))
-                    .field("path", Value::Str(path))
-                    .field("proto", Value::Str(proto))
-                    .field("client", Value::Ip(client))
-                    .field("route", Value::Str(route))
-                    .field("outcome", Value::Str(self.outcome))
-                    .field("status", Value::U64(u64::from(status)))
-                    .field("bytes_in", Value::U64(bytes_in))
-                    .field("bytes_out", Value::U64(bytes_out))
-                    .field("upstream_us", Value::I64(upstream_us))
-                    .field("duration_us", Value::U64(duration_us))
-                    .field("key", Value::Str(key))
-                    .field("request_id", Value::Str(request_id))
-                    .field("error", Value::Str(error));
+                line.field(&field_name!("method"), Value::Str(method))
+                    .field(&field_name!("path"), Value::Str(path))
+                    .field(&field_name!("proto"), Value::Str(proto))
+                    .field(&field_name!("client"), Value::Ip(client))
+                    .field(&field_name!("route"), Value::Str(route))
+                    .field(&field_name!("outcome"), Value::Str(self.outcome))
+                    .field(&field_name!("status"), Value::U64(u64::from(status)))
+                    .field(&field_name!("bytes_in"), Value::U64(bytes_in))
+                    .field(&field_name!("bytes_out"), Value::U64(bytes_out))
+                    .field(&field_name!("upstream_us"), Value::I64(upstream_us))
+                    .field(&field_name!("duration_us"), Value::U64(duration_us))
+                    .field(&field_name!("key"), Value::Str(key))
+                    .field(&field_name!("request_id"), Value::Str(request_id))
+                    .field(&field_name!("error"), Value::Str(error));
                 line.write();
             }
         } else if warn {

@@ -12,7 +12,8 @@
 //! [`init`] has installed the subscriber, [`Event`] writes it straight into the buffer in the
 //! same text or JSON layout `tracing-subscriber` gives every other line (a unit test compares
 //! the two byte for byte), at a fraction of the cost (no field visitor, no `Debug` of each
-//! value, no calendar arithmetic through `fmt`). The subscriber's filter still decides
+//! value, no calendar arithmetic through `fmt`; a line buffer kept per thread, the date and
+//! time of day worked out once per second, numbers written two digits at a time). The subscriber's filter still decides
 //! whether the line is written (`RUST_LOG`); under any other subscriber (a library user, a
 //! test) the line is an ordinary `tracing` event.
 
@@ -135,6 +136,9 @@ pub enum Value<'a> {
 /// One log line written straight into the buffer (see the module docs): timestamp, level,
 /// target, message, then the fields in order; in JSON, `tracing-subscriber`'s flattened
 /// layout with `target` last.
+///
+/// The line is formatted in a buffer the thread keeps between lines (no allocation per
+/// line) and then copied into the shared buffer under its lock.
 pub struct Event {
     line: Vec<u8>,
     format: LogFormat,
@@ -142,17 +146,40 @@ pub struct Event {
     warn: bool,
 }
 
+thread_local! {
+    /// The line buffer an [`Event`] borrows and gives back, with its capacity.
+    static LINE: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// A field's name with what goes before and after it, in both layouts: ` name=` in text,
+/// `,"name":` in JSON. Made with `field_name!`, so each is one copy of a constant.
+pub struct FieldName {
+    pub text: &'static str,
+    pub json: &'static str,
+}
+
+/// A [`FieldName`] made at compile time: `field_name!("status")`.
+macro_rules! field_name {
+    ($name:literal) => {
+        $crate::logging::FieldName {
+            text: concat!(" ", $name, "="),
+            json: concat!(",\"", $name, "\":"),
+        }
+    };
+}
+pub(crate) use field_name;
+
 impl Event {
     /// Starts a line at INFO, or WARN when `warn`, in `format`.
     pub fn new(format: LogFormat, warn: bool, target: &'static str, message: &str) -> Event {
-        let mut line = Vec::with_capacity(384);
+        let mut line = LINE.take();
+        line.clear();
+        line.reserve(384);
         let level: &[u8] = if warn { b"WARN" } else { b"INFO" };
         timestamp(&mut line, std::time::SystemTime::now(), format);
         match format {
             LogFormat::Text => {
-                line.extend_from_slice(b"  ");
-                line.extend_from_slice(level);
-                line.push(b' ');
+                line.extend_from_slice(if warn { b"  WARN " } else { b"  INFO " });
                 line.extend_from_slice(target.as_bytes());
                 line.extend_from_slice(b": ");
                 line.extend_from_slice(message.as_bytes());
@@ -172,14 +199,14 @@ impl Event {
         }
     }
 
-    /// Appends one field.
-    pub fn field(&mut self, name: &str, value: Value<'_>) -> &mut Event {
+    /// Appends one field. Inlined, so that each name's copy is of a length known when
+    /// compiling.
+    #[inline(always)]
+    pub fn field(&mut self, name: &FieldName, value: Value<'_>) -> &mut Event {
         let line = &mut self.line;
         match self.format {
             LogFormat::Text => {
-                line.push(b' ');
-                line.extend_from_slice(name.as_bytes());
-                line.push(b'=');
+                line.extend_from_slice(name.text.as_bytes());
                 match value {
                     Value::Str(s) => text_str(line, s),
                     Value::U64(n) => decimal(line, n, false),
@@ -188,9 +215,7 @@ impl Event {
                 }
             }
             LogFormat::Json => {
-                line.extend_from_slice(b",\"");
-                line.extend_from_slice(name.as_bytes());
-                line.extend_from_slice(b"\":");
+                line.extend_from_slice(name.json.as_bytes());
                 match value {
                     Value::Str(s) => json_str(line, s),
                     Value::U64(n) => decimal(line, n, false),
@@ -217,16 +242,43 @@ impl Event {
         self.line.push(b'\n');
         let mut writer = EventWriter { urgent: self.warn };
         let _ = writer.write(&self.line);
+        drop(writer);
+        LINE.set(std::mem::take(&mut self.line));
     }
 }
 
+thread_local! {
+    /// The second [`timestamp`] last wrote on this thread, and its text up to the seconds.
+    static SECOND: std::cell::Cell<(u64, [u8; 19])> = const { std::cell::Cell::new((u64::MAX, [0; 19])) };
+}
+
 /// `2026-12-01T03:07:02.345586Z` (UTC, microseconds), as `tracing-subscriber` writes it; in
-/// JSON as the opening `{"timestamp":"...Z"`.
+/// JSON as the opening `{"timestamp":"...Z"`. The date and time of day are worked out once
+/// per second per thread.
 fn timestamp(line: &mut Vec<u8>, now: std::time::SystemTime, format: LogFormat) {
     let since = now
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();
     let secs = since.as_secs();
+    let (cached, mut text) = SECOND.get();
+    if cached != secs {
+        text = civil(secs);
+        SECOND.set((secs, text));
+    }
+    if format == LogFormat::Json {
+        line.extend_from_slice(b"{\"timestamp\":\"");
+    }
+    line.extend_from_slice(&text);
+    line.push(b'.');
+    padded(line, u64::from(since.subsec_micros()), 6);
+    line.push(b'Z');
+    if format == LogFormat::Json {
+        line.push(b'"');
+    }
+}
+
+/// `2026-12-01T03:07:02` for seconds since the epoch (UTC).
+fn civil(secs: u64) -> [u8; 19] {
     let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
     // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil, inverted).
     let z = days + 719_468;
@@ -238,36 +290,48 @@ fn timestamp(line: &mut Vec<u8>, now: std::time::SystemTime, format: LogFormat) 
     let day = (doy - (153 * mp + 2) / 5 + 1) as u64;
     let month = if mp < 10 { mp + 3 } else { mp - 9 } as u64;
     let year = (yoe + era * 400 + i64::from(month <= 2)) as u64;
-    if format == LogFormat::Json {
-        line.extend_from_slice(b"{\"timestamp\":\"");
-    }
-    padded(line, year, 4);
-    line.push(b'-');
-    padded(line, month, 2);
-    line.push(b'-');
-    padded(line, day, 2);
-    line.push(b'T');
-    padded(line, rem / 3600, 2);
-    line.push(b':');
-    padded(line, rem / 60 % 60, 2);
-    line.push(b':');
-    padded(line, rem % 60, 2);
-    line.push(b'.');
-    padded(line, u64::from(since.subsec_micros()), 6);
-    line.push(b'Z');
-    if format == LogFormat::Json {
-        line.push(b'"');
-    }
+    let mut text = Vec::with_capacity(19);
+    padded(&mut text, year, 4);
+    text.push(b'-');
+    padded(&mut text, month, 2);
+    text.push(b'-');
+    padded(&mut text, day, 2);
+    text.push(b'T');
+    padded(&mut text, rem / 3600, 2);
+    text.push(b':');
+    padded(&mut text, rem / 60 % 60, 2);
+    text.push(b':');
+    padded(&mut text, rem % 60, 2);
+    text.try_into().unwrap_or([b'?'; 19])
 }
 
-/// `n` in decimal, zero-padded to `width` digits.
+/// `00` to `99`, for writing two digits at a time.
+const PAIRS: &[u8; 200] = b"\
+    0001020304050607080910111213141516171819\
+    2021222324252627282930313233343536373839\
+    4041424344454647484950515253545556575859\
+    6061626364656667686970717273747576777879\
+    8081828384858687888990919293949596979899";
+
+/// `n` in decimal, zero-padded to `width` digits (at most 20).
 fn padded(line: &mut Vec<u8>, mut n: u64, width: usize) {
-    let start = line.len();
-    line.resize(start + width, b'0');
-    for slot in line[start..].iter_mut().rev() {
-        *slot = b'0' + (n % 10) as u8;
-        n /= 10;
+    let mut digits = [b'0'; 20];
+    let mut at = digits.len();
+    while n >= 100 {
+        let pair = (n % 100) as usize * 2;
+        n /= 100;
+        at -= 2;
+        digits[at..at + 2].copy_from_slice(&PAIRS[pair..pair + 2]);
     }
+    if n >= 10 {
+        at -= 2;
+        digits[at..at + 2].copy_from_slice(&PAIRS[n as usize * 2..n as usize * 2 + 2]);
+    } else {
+        at -= 1;
+        digits[at] = b'0' + n as u8;
+    }
+    let start = digits.len() - width.clamp(digits.len() - at, digits.len());
+    line.extend_from_slice(&digits[start..]);
 }
 
 /// `n` in decimal, with a minus sign when `negative`.
@@ -275,8 +339,7 @@ fn decimal(line: &mut Vec<u8>, n: u64, negative: bool) {
     if negative {
         line.push(b'-');
     }
-    let digits = n.checked_ilog10().unwrap_or(0) as usize + 1;
-    padded(line, n, digits);
+    padded(line, n, 1);
 }
 
 /// An address as its `Display` writes it; an IPv4 one without `fmt`'s machinery, which costs
@@ -337,13 +400,13 @@ mod tests {
         let client: std::net::IpAddr = client.parse().unwrap();
         let mut event = Event::new(format, false, "idemgate::access", "request");
         event
-            .field("method", Value::Str("POST"))
-            .field("path", Value::Str(path))
-            .field("client", Value::Ip(client))
-            .field("status", Value::U64(201))
-            .field("upstream_us", Value::I64(-1))
-            .field("bytes_out", Value::U64(0))
-            .field("error", Value::Str(error));
+            .field(&field_name!("method"), Value::Str("POST"))
+            .field(&field_name!("path"), Value::Str(path))
+            .field(&field_name!("client"), Value::Ip(client))
+            .field(&field_name!("status"), Value::U64(201))
+            .field(&field_name!("upstream_us"), Value::I64(-1))
+            .field(&field_name!("bytes_out"), Value::U64(0))
+            .field(&field_name!("error"), Value::Str(error));
         if format == LogFormat::Json {
             event.line.extend_from_slice(b",\"target\":");
             json_str(&mut event.line, event.target);
@@ -428,6 +491,71 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn numbers_are_written_in_decimal_two_digits_at_a_time() {
+        let write = |n: u64, negative: bool| {
+            let mut line = Vec::new();
+            decimal(&mut line, n, negative);
+            String::from_utf8(line).unwrap()
+        };
+        for n in [
+            0,
+            1,
+            9,
+            10,
+            11,
+            99,
+            100,
+            101,
+            999,
+            1000,
+            65_535,
+            1_234_567,
+            u64::MAX,
+        ] {
+            assert_eq!(write(n, false), n.to_string());
+            assert_eq!(write(n, true), format!("-{n}"));
+        }
+        let pad = |n: u64, width: usize| {
+            let mut line = Vec::new();
+            padded(&mut line, n, width);
+            String::from_utf8(line).unwrap()
+        };
+        assert_eq!(pad(7, 2), "07");
+        assert_eq!(pad(7, 6), "000007");
+        assert_eq!(pad(123_456, 6), "123456");
+        assert_eq!(pad(2026, 4), "2026");
+        // A number wider than asked is written whole.
+        assert_eq!(pad(12_345, 2), "12345");
+    }
+
+    #[test]
+    fn timestamps_within_one_second_share_its_cached_text() {
+        let mut line = Vec::new();
+        let second = UNIX_EPOCH + Duration::from_secs(1_796_094_422);
+        timestamp(
+            &mut line,
+            second + Duration::from_micros(1),
+            LogFormat::Text,
+        );
+        timestamp(
+            &mut line,
+            second + Duration::from_micros(999_999),
+            LogFormat::Json,
+        );
+        timestamp(
+            &mut line,
+            second + Duration::from_secs(86_400),
+            LogFormat::Text,
+        );
+        assert_eq!(
+            String::from_utf8(line).unwrap(),
+            "2026-12-01T03:07:02.000001Z\
+             {\"timestamp\":\"2026-12-01T03:07:02.999999Z\"\
+             2026-12-02T03:07:02.000000Z"
+        );
     }
 
     #[test]
