@@ -14,8 +14,11 @@
 # alternated, each with one `wrk -t1 -c32` run of DUR seconds (default 10) of which the middle
 # DUR-2 are measured: per request, user and system CPU (µs) and context switches of the proxy
 # (all its threads), the upstream worker and wrk, from /proc; requests counted by the
-# upstream. Needs wrk, nginx and python3 (for free ports); run as root or as a user nginx
-# accepts (it drops to www-data only as root).
+# upstream. With FLOOR=1 a third proxy joins the rotation: examples/hyper_floor.rs (nothing but
+# hyper on both sides, one upstream connection per client connection; build it first with
+# `cargo build --release --example hyper_floor`), the floor under any hyper-based proxy
+# (BENCHMARKS.md, "What hyper alone costs"). Needs wrk, nginx and python3 (for free ports);
+# run as root or as a user nginx accepts (it drops to www-data only as root).
 set -euo pipefail
 
 ROUNDS=${ROUNDS:-3}
@@ -26,15 +29,21 @@ for tool in wrk nginx python3; do
   command -v "$tool" >/dev/null || { echo "plain_hop_peers.sh: $tool is missing" >&2; exit 2; }
 done
 [[ -x $BIN ]] || { echo "plain_hop_peers.sh: no $BIN (cargo build --release)" >&2; exit 2; }
+FLOOR_BIN=$ROOT/target/release/examples/hyper_floor
+if [[ ${FLOOR:-0} == 1 && ! -x $FLOOR_BIN ]]; then
+  echo "plain_hop_peers.sh: no $FLOOR_BIN (cargo build --release --example hyper_floor)" >&2
+  exit 2
+fi
 ((DUR >= 4)) || { echo "plain_hop_peers.sh: DUR must be at least 4" >&2; exit 2; }
 
 # WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, start_proxy,
 # stop_nginx, served, worker_of, wait_answering, gateway_routes: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-GW_PID=""
+GW_PID="" FLOOR_PID=""
 cleanup() {
   [[ -n $GW_PID ]] && kill "$GW_PID" 2>/dev/null
+  if [[ -n $FLOOR_PID ]]; then kill "$FLOOR_PID" 2>/dev/null; fi
   stop_nginx
   wait 2>/dev/null || true
   rm -rf "$WORK"
@@ -57,11 +66,17 @@ $(gateway_routes "$UP")
 YAML
 "$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!
+if [[ ${FLOOR:-0} == 1 ]]; then
+  FLOOR_PORT=$(free_port)
+  "$FLOOR_BIN" "127.0.0.1:$FLOOR_PORT" "127.0.0.1:$UP" >"$WORK/floor.log" 2>&1 &
+  FLOOR_PID=$!
+fi
 
 request_lua "$WORK/request.lua"
 
 wait_answering "$PROXY" /plain/pay "$WORK"/*/error.log
 wait_answering "$GW" /plain/pay "$WORK/gateway.log"
+if [[ -n $FLOOR_PID ]]; then wait_answering "$FLOOR_PORT" /plain/pay "$WORK/floor.log"; fi
 UPW=$(worker_of "${NGINX_MASTERS[0]}")
 PXW=$(worker_of "${NGINX_MASTERS[1]}")
 
@@ -106,4 +121,5 @@ echo "|---|---:|---|---:|---|---:|---|---:|---:|"
 for _ in $(seq "$ROUNDS"); do
   run "gateway${WORKERS:+, $WORKERS worker(s)}" "$GW" "$GW_PID"
   run "nginx proxy" "$PROXY" "$PXW"
+  if [[ -n $FLOOR_PID ]]; then run "hyper floor" "$FLOOR_PORT" "$FLOOR_PID"; fi
 done
