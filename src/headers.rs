@@ -20,8 +20,26 @@ pub const HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// The lengths of the [`HOP_BY_HOP`] names, a bit each (all are shorter than 32 bytes; a
+/// unit test keeps the two lists in step).
+pub const HOP_BY_HOP_LENGTHS: u32 =
+    1 << 2 | 1 << 7 | 1 << 10 | 1 << 16 | 1 << 17 | 1 << 18 | 1 << 19;
+
 /// Whether `name` is hop-by-hop: meaningful for one connection only, never forwarded, stored
 /// or replayed.
 pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_length_mask_has_the_length_of_every_hop_by_hop_name_and_no_other() {
+        let lengths = HOP_BY_HOP
+            .iter()
+            .fold(0u32, |bits, name| bits | 1 << name.as_str().len());
+        assert_eq!(HOP_BY_HOP_LENGTHS, lengths);
+    }
 }

@@ -101,13 +101,23 @@ impl Pool {
         }))
     }
 
-    /// Sends `req` (absolute-form URI, as `UpstreamClient::prepare` builds it) and returns the
-    /// response; its body drives the connection and gives it back at its end.
+    /// The `Host` of a request to this upstream (its URL's authority, without port 80).
+    pub fn host_value(&self) -> Option<&HeaderValue> {
+        self.host.as_ref().map(|(_, value)| value)
+    }
+
+    /// Sends `req` and returns the response; its body drives the connection and gives it back
+    /// at its end. An absolute-form request (the client's `Host` kept, `preserve_host`) is put
+    /// in origin-form first; one `UpstreamClient::prepare` made for this pool already is.
     pub async fn send(
         self: &Arc<Pool>,
         req: Request<Body>,
     ) -> Result<Response<Body>, UpstreamError> {
-        let req = origin_form(req, self.host.as_ref());
+        let req = if req.uri().scheme().is_some() {
+            origin_form(req, self.host.as_ref())
+        } else {
+            req
+        };
         match tokio::time::timeout(self.timeout, self.exchange(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(r) => r,

@@ -65,8 +65,13 @@ const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 /// allocation): most messages carry none, or only `Connection` (and `Keep-Alive`), and a map
 /// lookup per hop-by-hop name costs more than the pass.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    use crate::headers::HOP_BY_HOP;
+    use crate::headers::{HOP_BY_HOP, HOP_BY_HOP_LENGTHS};
     let present = headers.keys().fold(0u8, |bits, name| {
+        // Most names are ruled out by their length alone.
+        let len = name.as_str().len();
+        if len >= 32 || HOP_BY_HOP_LENGTHS & 1 << len == 0 {
+            return bits;
+        }
         HOP_BY_HOP
             .iter()
             .position(|h| h == name)
@@ -75,8 +80,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if present == 0 {
         return;
     }
-    // `Connection` is `HOP_BY_HOP[0]`.
-    if present & 1 != 0 {
+    // `Connection` is `HOP_BY_HOP[0]`. Its usual values name nothing but hop-by-hop headers.
+    let usual = |v: &HeaderValue| {
+        let v = v.as_bytes();
+        v.eq_ignore_ascii_case(b"keep-alive") || v.eq_ignore_ascii_case(b"close")
+    };
+    if present & 1 != 0 && !headers.get_all(header::CONNECTION).iter().all(usual) {
         // A token naming a hop-by-hop header (`keep-alive`, the usual one) is removed below
         // anyway: only other names are collected, so the usual case allocates nothing.
         let named: Vec<HeaderName> = headers
@@ -340,12 +349,31 @@ impl UpstreamClient {
             .as_ref()
             .filter(|_| self.config.preserve_host)
             .and_then(|h| http::uri::Authority::try_from(h.as_bytes()).ok());
-        let uri = self.upstream_uri(&parts.uri, authority);
+        // To the direct pool, with the upstream's own `Host`, the request is made as it will
+        // be written: origin-form, `Host` replaced where it stands (what `h1::origin_form`
+        // would do to an absolute-form request, without building one to take it apart).
+        let direct_host = match &self.direct {
+            Some(pool) if authority.is_none() && parts.method != http::Method::CONNECT => {
+                pool.host_value()
+            }
+            _ => None,
+        };
+        let uri = match direct_host {
+            Some(_) => Uri::from(self.upstream_path(&parts.uri)),
+            None => self.upstream_uri(&parts.uri, authority),
+        };
 
         let headers = &mut parts.headers;
         let trailers = accepts_trailers(headers);
         strip_hop_by_hop(headers);
-        headers.remove(header::HOST);
+        match direct_host {
+            Some(value) => {
+                headers.insert(header::HOST, value.clone());
+            }
+            None => {
+                headers.remove(header::HOST);
+            }
+        }
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
@@ -400,19 +428,23 @@ impl UpstreamClient {
     /// query are reused as they are (no copy, no re-parse).
     fn upstream_uri(&self, incoming: &Uri, authority: Option<http::uri::Authority>) -> Uri {
         let base = &self.config.url;
-        let prefix = base.path().trim_end_matches('/');
-        let path_and_query = match incoming.path_and_query() {
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = base.scheme().cloned();
+        parts.authority = authority.or_else(|| base.authority().cloned());
+        parts.path_and_query = Some(self.upstream_path(incoming));
+        Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
+    }
+
+    /// The upstream's path prefix, then the request's path and query.
+    fn upstream_path(&self, incoming: &Uri) -> http::uri::PathAndQuery {
+        let prefix = self.config.url.path().trim_end_matches('/');
+        match incoming.path_and_query() {
             Some(pq) if prefix.is_empty() => pq.clone(),
             Some(pq) => format!("{prefix}{}", pq.as_str())
                 .parse()
                 .unwrap_or_else(|_| pq.clone()),
             None => http::uri::PathAndQuery::from_static("/"),
-        };
-        let mut parts = http::uri::Parts::default();
-        parts.scheme = base.scheme().cloned();
-        parts.authority = authority.or_else(|| base.authority().cloned());
-        parts.path_and_query = Some(path_and_query);
-        Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
+        }
     }
 
     /// Sends a forward (plain or keyed) and waits for the response head (bounded by the upstream's
@@ -425,7 +457,18 @@ impl UpstreamClient {
     }
 
     /// Sends a request and waits for the response head, bounded by the upstream's `timeout`.
-    pub async fn send(&self, req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+    /// A request `prepare` made for the direct pool (origin-form) is put back in absolute-form,
+    /// which the pooled client needs (a tunnel's request takes this way).
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
+        if req.uri().scheme().is_none() {
+            let mut parts = http::uri::Parts::default();
+            parts.scheme = self.config.url.scheme().cloned();
+            parts.authority = self.config.url.authority().cloned();
+            parts.path_and_query = req.uri().path_and_query().cloned();
+            if let Ok(uri) = Uri::from_parts(parts) {
+                *req.uri_mut() = uri;
+            }
+        }
         match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
@@ -513,6 +556,24 @@ mod tests {
                 ("set-cookie", "b=2")
             ]
         );
+
+        // The usual `Connection` values (any case) name nothing else; a second `Connection`
+        // line naming a header still has it removed.
+        for usual in ["keep-alive", "Close", "KEEP-ALIVE"] {
+            let mut h = HeaderMap::new();
+            h.insert("connection", usual.parse().unwrap());
+            h.insert("keep-alive", "timeout=5".parse().unwrap());
+            h.insert("x-kept", "1".parse().unwrap());
+            clean_response_headers(&mut h);
+            assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"], "{usual}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert("connection", "keep-alive".parse().unwrap());
+        h.append("connection", "x-hop".parse().unwrap());
+        h.insert("x-hop", "1".parse().unwrap());
+        h.insert("x-kept", "1".parse().unwrap());
+        clean_response_headers(&mut h);
+        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"]);
 
         // Without any of them every header stays, values in order.
         let mut plain = HeaderMap::new();
