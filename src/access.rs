@@ -130,18 +130,18 @@ impl AccessLine {
             if enabled {
                 use crate::logging::{Event, Value, field_name};
                 let mut line = Event::new(format, warn, "idemgate::access", "request");
-                line.field(&field_name!("method"), Value::Str(method))
+                line.field(&field_name!("method"), Value::Plain(method))
                     .field(&field_name!("path"), Value::Str(path))
-                    .field(&field_name!("proto"), Value::Str(proto))
+                    .field(&field_name!("proto"), Value::Plain(proto))
                     .field(&field_name!("client"), Value::Ip(client))
                     .field(&field_name!("route"), Value::Str(route))
-                    .field(&field_name!("outcome"), Value::Str(self.outcome))
+                    .field(&field_name!("outcome"), Value::Plain(self.outcome))
                     .field(&field_name!("status"), Value::U64(u64::from(status)))
                     .field(&field_name!("bytes_in"), Value::U64(bytes_in))
                     .field(&field_name!("bytes_out"), Value::U64(bytes_out))
                     .field(&field_name!("upstream_us"), Value::I64(upstream_us))
                     .field(&field_name!("duration_us"), Value::U64(duration_us))
-                    .field(&field_name!("key"), Value::Str(key))
+                    .field(&field_name!("key"), Value::Plain(key))
                     .field(&field_name!("request_id"), Value::Str(request_id))
                     .field(&field_name!("error"), Value::Str(error));
                 line.write();
@@ -163,22 +163,30 @@ impl AccessLine {
 }
 
 /// A response body that counts what it yields and writes the access line when it is done
-/// with (its end, or its drop when a client hangs up mid-body).
+/// with (its end, or its drop when a client hangs up mid-body). It also holds a passed-on
+/// answer's admission (`limits.rs`), released when the body is dropped.
 pub struct Logged {
     body: Body,
     line: Option<AccessLine>,
     bytes_out: u64,
     /// Counts a request body of unknown length as it is read (plain routes).
     counted_in: Option<Arc<AtomicU64>>,
+    _held: Option<crate::limits::Admission>,
 }
 
 impl Logged {
-    pub fn new(body: Body, line: AccessLine, counted_in: Option<Arc<AtomicU64>>) -> Logged {
+    pub fn new(
+        body: Body,
+        line: AccessLine,
+        counted_in: Option<Arc<AtomicU64>>,
+        held: Option<crate::limits::Admission>,
+    ) -> Logged {
         Logged {
             body,
             line: Some(line),
             bytes_out: 0,
             counted_in,
+            _held: held,
         }
     }
 

@@ -1,7 +1,7 @@
 //! Request and response bodies on their way through the gateway: a keyed request's body read
 //! within its limit (by `Content-Length` up front, then by count), an upstream response
-//! captured up to `max_stored_response` for the store, and the wrappers that keep a
-//! request's admission (`limits.rs`) until its body is done with.
+//! captured up to `max_stored_response` for the store. (A passed-on answer's admission is
+//! held by its response body, `access::Logged`, until the body is done with.)
 //!
 //! Invariants: a body over its limit is never truncated silently: what was read is put back
 //! in front of the unread rest ([`Prefixed`]), so an observe route forwards it whole and a
@@ -14,7 +14,6 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 use crate::forward::{Body, UpstreamError, stream};
-use crate::limits::Admission;
 use crate::problem::GatewayError;
 
 /// A keyed request's body as read.
@@ -60,32 +59,6 @@ pub(crate) async fn read_body(
         }
     }
     Ok(RequestBody::Whole(buf.freeze()))
-}
-
-/// A response body that holds its request's admission until it is done with.
-pub(crate) struct Admitted {
-    pub(crate) body: Body,
-    pub(crate) _admission: Admission,
-}
-
-impl hyper::body::Body for Admitted {
-    type Data = Bytes;
-    type Error = crate::forward::BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// An upstream body, read as far as the store limit allows.

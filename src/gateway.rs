@@ -38,7 +38,7 @@ use hyper::body::Incoming;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::body::{Admitted, RequestBody, read_body};
+use crate::body::{RequestBody, read_body};
 use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
@@ -117,6 +117,8 @@ struct RequestLog {
     bytes_in: Option<u64>,
     /// Counts a streamed request body of unknown length.
     counted_in: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// A passed-on answer's admission, held by the response body until it is done with.
+    held: Option<Admission>,
 }
 
 impl RequestLog {
@@ -128,6 +130,7 @@ impl RequestLog {
             upstream: None,
             bytes_in: None,
             counted_in: None,
+            held: None,
         }
     }
 }
@@ -408,7 +411,7 @@ impl Gateway {
             error: error.map(|e| e.to_string()),
         };
         let (parts, body) = resp.into_parts();
-        let body = crate::access::Logged::new(body, line, log.counted_in);
+        let body = crate::access::Logged::new(body, line, log.counted_in, log.held);
         Response::from_parts(parts, body.boxed_unsync())
     }
 
@@ -888,7 +891,7 @@ async fn proxy(
     let started = Instant::now();
     let sent = upstream.send_streamed(req).await;
     log.upstream = Some(started.elapsed());
-    Ok(passed_on(sent.map_err(upstream_failure)?, admission))
+    Ok(passed_on(sent.map_err(upstream_failure)?, admission, log))
 }
 
 /// A plain forward that asked to switch protocols: a 101 from the upstream opens a tunnel
@@ -907,7 +910,7 @@ async fn tunnel(
     log.upstream = Some(started.elapsed());
     let mut resp = sent.map_err(upstream_failure)?;
     if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-        return Ok(passed_on(resp.map(stream), hold.0));
+        return Ok(passed_on(resp.map(stream), hold.0, log));
     }
     let on_upstream = hyper::upgrade::on(&mut resp);
     let (mut parts, _empty) = resp.into_parts();
@@ -918,15 +921,13 @@ async fn tunnel(
 }
 
 /// An upstream's answer streamed back to the client, its headers cleaned; the admission is
-/// held by the body until it has been passed on (or dropped). Trailers pass too.
-fn passed_on(resp: Response<Body>, admission: Admission) -> Response<Body> {
+/// held by the response body (`access::Logged`, through `log`) until it has been passed on (or
+/// dropped). Trailers pass too.
+fn passed_on(resp: Response<Body>, admission: Admission, log: &mut RequestLog) -> Response<Body> {
     let (mut parts, body) = resp.into_parts();
     clean_response_headers(&mut parts.headers);
-    let body = Admitted {
-        body,
-        _admission: admission,
-    };
-    Response::from_parts(parts, body.boxed_unsync())
+    log.held = Some(admission);
+    Response::from_parts(parts, body)
 }
 
 /// What a failed plain forward tells the client.

@@ -128,6 +128,9 @@ pub fn init(format: LogFormat) {
 /// and quoted in JSON.
 pub enum Value<'a> {
     Str(&'a str),
+    /// A string the gateway knows needs no escaping in either layout (printable ASCII without
+    /// `"` or `\`: a method, a protocol, an outcome, a hex key id), written without scanning it.
+    Plain(&'a str),
     U64(u64),
     I64(i64),
     Ip(std::net::IpAddr),
@@ -209,6 +212,7 @@ impl Event {
                 line.extend_from_slice(name.text.as_bytes());
                 match value {
                     Value::Str(s) => text_str(line, s),
+                    Value::Plain(s) => quoted(line, s),
                     Value::U64(n) => decimal(line, n, false),
                     Value::I64(n) => decimal(line, n.unsigned_abs(), n < 0),
                     Value::Ip(addr) => ip(line, addr),
@@ -218,6 +222,7 @@ impl Event {
                 line.extend_from_slice(name.json.as_bytes());
                 match value {
                     Value::Str(s) => json_str(line, s),
+                    Value::Plain(s) => quoted(line, s),
                     Value::U64(n) => decimal(line, n, false),
                     Value::I64(n) => decimal(line, n.unsigned_abs(), n < 0),
                     Value::Ip(addr) => {
@@ -366,12 +371,18 @@ fn plain(s: &str) -> bool {
         .all(|b| (0x20..0x7f).contains(&b) && b != b'"' && b != b'\\')
 }
 
+/// A string that needs no escaping, between double quotes (the same in both layouts).
+fn quoted(line: &mut Vec<u8>, s: &str) {
+    debug_assert!(plain(s), "{s:?} needs escaping");
+    line.push(b'"');
+    line.extend_from_slice(s.as_bytes());
+    line.push(b'"');
+}
+
 /// A string as `tracing`'s text layout records it: its `Debug` form.
 fn text_str(line: &mut Vec<u8>, s: &str) {
     if plain(s) {
-        line.push(b'"');
-        line.extend_from_slice(s.as_bytes());
-        line.push(b'"');
+        quoted(line, s);
     } else {
         let _ = write!(line, "{s:?}");
     }
@@ -380,9 +391,7 @@ fn text_str(line: &mut Vec<u8>, s: &str) {
 /// A string as a JSON string (`serde_json`'s escaping, as `tracing`'s JSON layout uses).
 fn json_str(line: &mut Vec<u8>, s: &str) {
     if plain(s) {
-        line.push(b'"');
-        line.extend_from_slice(s.as_bytes());
-        line.push(b'"');
+        quoted(line, s);
     } else {
         let _ = serde_json::to_writer(&mut *line, s);
     }
@@ -400,7 +409,7 @@ mod tests {
         let client: std::net::IpAddr = client.parse().unwrap();
         let mut event = Event::new(format, false, "idemgate::access", "request");
         event
-            .field(&field_name!("method"), Value::Str("POST"))
+            .field(&field_name!("method"), Value::Plain("POST"))
             .field(&field_name!("path"), Value::Str(path))
             .field(&field_name!("client"), Value::Ip(client))
             .field(&field_name!("status"), Value::U64(201))
