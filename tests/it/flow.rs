@@ -241,6 +241,46 @@ async fn shutdown_lets_an_in_flight_keyed_request_finish_and_store_its_answer() 
     );
 }
 
+/// Shutdown asks every open connection to close, idle ones too: a keep-alive connection
+/// between requests and one that never sent a byte are closed by the gateway, and the server
+/// returns, without waiting out a grace far longer than the test's bound.
+#[tokio::test]
+async fn shutdown_closes_idle_connections_without_waiting_out_the_grace() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = Upstream::start().await;
+    let (gw, _file) = TestGateway::on_with(Backend::Sqlite, &up, "", |y| {
+        y.replace("shutdown_grace: 5s", "shutdown_grace: 300s")
+    })
+    .await;
+    let mut used = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    used.write_all(b"GET /plain HTTP/1.1\r\nhost: gw\r\n\r\n")
+        .await
+        .unwrap();
+    let mut status = [0u8; 12];
+    used.read_exact(&mut status).await.unwrap();
+    assert_eq!(&status, b"HTTP/1.1 201", "the request was answered");
+    let mut silent = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    assert_eq!(up.executions(), 1);
+
+    tokio::time::timeout(Duration::from_secs(60), gw.shutdown())
+        .await
+        .expect("shutdown returned: no idle connection was left waiting for the grace");
+    // The served connection ends with the rest of its answer, then the gateway's FIN.
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), used.read_to_end(&mut rest))
+        .await
+        .expect("the keep-alive connection is still open")
+        .expect("the keep-alive connection ends cleanly");
+    // The silent one is closed too: with a FIN once accepted, or reset by the kernel when it
+    // was still in the accept queue as the listener closed.
+    let mut none = Vec::new();
+    match tokio::time::timeout(Duration::from_secs(10), silent.read_to_end(&mut none)).await {
+        Err(_) => panic!("the silent connection is still open"),
+        Ok(Ok(_)) => assert!(none.is_empty(), "{none:?}"),
+        Ok(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+    }
+}
+
 /// A crashed attempt: claim (scope "a", `key`) with the fingerprint the gateway computes for
 /// a POST to /pay with `body`, and never finish.
 async fn crashed_claim(gw: &TestGateway, key: &str, body: &str, lease: Duration) {
