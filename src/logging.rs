@@ -40,13 +40,29 @@ pub fn own_format() -> Option<LogFormat> {
     FORMAT.get().copied()
 }
 
-/// Writes out whatever is buffered.
+/// The buffer written out last, emptied, kept to take [`BUFFER`]'s place at the next flush:
+/// writers append into room that is already there instead of growing a new buffer (and
+/// freeing a large one) every time. Only touched under the lock of stderr.
+static SPARE: Mutex<Vec<u8>> = Mutex::new(Vec::new());
+/// A spare larger than this (after a burst) is dropped instead of kept.
+const SPARE_KEPT: usize = 4 * FLUSH_AT;
+
+/// Writes out whatever is buffered. Flushes write one after another, in the order they took
+/// their lines (under the lock of stderr).
 pub fn flush() {
-    let pending = std::mem::take(&mut *BUFFER.lock().unwrap_or_else(|e| e.into_inner()));
-    if !pending.is_empty() {
-        let mut err = std::io::stderr().lock();
-        let _ = err.write_all(&pending);
+    let mut err = std::io::stderr().lock();
+    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
+    std::mem::swap(
+        &mut *spare,
+        &mut *BUFFER.lock().unwrap_or_else(|e| e.into_inner()),
+    );
+    if !spare.is_empty() {
+        let _ = err.write_all(&spare);
         let _ = err.flush();
+    }
+    spare.clear();
+    if spare.capacity() > SPARE_KEPT {
+        *spare = Vec::new();
     }
 }
 

@@ -275,8 +275,12 @@ impl ClientInfo {
 /// This hop's `Forwarded` element (RFC 7239 section 4): the client's address, the scheme it
 /// used, and the host it asked for when that is known and printable.
 fn forwarded_element(client: &ClientInfo, host: Option<&HeaderValue>) -> String {
-    let mut element = client.forwarded.to_string();
-    if let Some(host) = host.and_then(|h| h.to_str().ok()) {
+    let host = host.and_then(|h| h.to_str().ok());
+    // Sized once, and copied as a `str` (`to_string` on the `Arc<str>` goes through `fmt`).
+    let room = host.map_or(0, |h| ";host=\"\"".len() + 2 * h.len());
+    let mut element = String::with_capacity(client.forwarded.len() + room);
+    element.push_str(&client.forwarded);
+    if let Some(host) = host {
         element.push_str(";host=");
         push_token_or_quoted(&mut element, host);
     }
