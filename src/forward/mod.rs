@@ -273,12 +273,12 @@ impl ClientInfo {
 }
 
 /// This hop's `Forwarded` element (RFC 7239 section 4): the client's address, the scheme it
-/// used, and the host it asked for when that is known and printable.
+/// used, and the host it asked for when that is known and printable. Its capacity is its
+/// length, so it becomes a header value without a copy ([`owned_value`]).
 fn forwarded_element(client: &ClientInfo, host: Option<&HeaderValue>) -> String {
     let host = host.and_then(|h| h.to_str().ok());
-    // Sized once, and copied as a `str` (`to_string` on the `Arc<str>` goes through `fmt`).
-    let room = host.map_or(0, |h| ";host=\"\"".len() + 2 * h.len());
-    let mut element = String::with_capacity(client.forwarded.len() + room);
+    let len = host.map_or(0, |h| ";host=".len() + token_or_quoted_len(h));
+    let mut element = String::with_capacity(client.forwarded.len() + len);
     element.push_str(&client.forwarded);
     if let Some(host) = host {
         element.push_str(";host=");
@@ -287,12 +287,38 @@ fn forwarded_element(client: &ClientInfo, host: Option<&HeaderValue>) -> String 
     element
 }
 
+/// `!#$%&'*+-.^_`|~`, the token characters besides letters and digits (RFC 9110 section
+/// 5.6.2), a bit each.
+const TCHAR_PUNCTUATION: u128 = {
+    let mut bits = 0u128;
+    let chars = b"!#$%&'*+-.^_`|~";
+    let mut i = 0;
+    while i < chars.len() {
+        bits |= 1 << chars[i];
+        i += 1;
+    }
+    bits
+};
+
+fn is_token(value: &str) -> bool {
+    let tchar = |b: u8| b.is_ascii_alphanumeric() || (b < 128 && TCHAR_PUNCTUATION >> b & 1 == 1);
+    !value.is_empty() && value.bytes().all(tchar)
+}
+
+/// What [`push_token_or_quoted`] writes for `value`, in bytes.
+fn token_or_quoted_len(value: &str) -> usize {
+    if is_token(value) {
+        return value.len();
+    }
+    let escaped = value.bytes().filter(|&b| b == b'"' || b == b'\\').count();
+    value.len() + escaped + 2
+}
+
 /// A parameter value as a token when it is one, else as a quoted-string (RFC 9110 section
 /// 5.6.4, which RFC 7239 section 4 uses): a host with a port has a `:`, which is not a token
 /// character.
 fn push_token_or_quoted(out: &mut String, value: &str) {
-    let tchar = |b: u8| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b);
-    if !value.is_empty() && value.bytes().all(tchar) {
+    if is_token(value) {
         out.push_str(value);
         return;
     }
@@ -306,17 +332,23 @@ fn push_token_or_quoted(out: &mut String, value: &str) {
     out.push('"');
 }
 
+/// A header value made from `value` without copying it when its capacity is its length (a
+/// `Bytes` made from a longer buffer would allocate to remember the rest).
+fn owned_value(value: String) -> Option<HeaderValue> {
+    HeaderValue::from_maybe_shared(Bytes::from(value.into_bytes())).ok()
+}
+
 /// Several lines of one list header as one value (RFC 9110 section 5.3), with `last` added.
-fn append_to_list(headers: &HeaderMap, name: &HeaderName, last: &str) -> Option<HeaderValue> {
+fn append_to_list(headers: &HeaderMap, name: &HeaderName, last: String) -> Option<HeaderValue> {
     let mut all = String::new();
     for v in headers.get_all(name).iter().filter_map(|v| v.to_str().ok()) {
         all.push_str(v);
         all.push_str(", ");
     }
     if all.is_empty() {
-        return HeaderValue::from_str(last).ok();
+        return owned_value(last);
     }
-    all.push_str(last);
+    all.push_str(&last);
     HeaderValue::from_str(&all).ok()
 }
 
@@ -386,7 +418,7 @@ impl UpstreamClient {
             append_to_list(
                 headers,
                 &X_FORWARDED_FOR,
-                client.ip.to_str().unwrap_or_default(),
+                client.ip.to_str().unwrap_or_default().to_owned(),
             )
         } else {
             Some(client.ip.clone())
@@ -402,7 +434,7 @@ impl UpstreamClient {
         if let Some(v) = append_to_list(
             headers,
             &FORWARDED,
-            &forwarded_element(client, host.as_ref()),
+            forwarded_element(client, host.as_ref()),
         ) {
             headers.insert(FORWARDED, v);
         }
@@ -593,11 +625,14 @@ mod tests {
     fn a_list_header_gets_this_hops_element_after_every_earlier_one() {
         let mut h = HeaderMap::new();
         let name = HeaderName::from_static("x-forwarded-for");
-        assert_eq!(append_to_list(&h, &name, "192.0.2.7").unwrap(), "192.0.2.7");
+        assert_eq!(
+            append_to_list(&h, &name, "192.0.2.7".into()).unwrap(),
+            "192.0.2.7"
+        );
         h.insert(&name, "198.51.100.1, 198.51.100.2".parse().unwrap());
         h.append(&name, "203.0.113.9".parse().unwrap());
         assert_eq!(
-            append_to_list(&h, &name, "192.0.2.7").unwrap(),
+            append_to_list(&h, &name, "192.0.2.7".into()).unwrap(),
             "198.51.100.1, 198.51.100.2, 203.0.113.9, 192.0.2.7"
         );
     }
@@ -624,6 +659,22 @@ mod tests {
             forwarded_element(&v4, Some(&odd)),
             "for=192.0.2.7;proto=http;host=\"a\\\"b\\\\c\""
         );
+        // Each is sized exactly, so it becomes a header value without a copy.
+        let hosts = [
+            "example.com",
+            "example.com:8443",
+            "a\"b\\c",
+            "",
+            "caf\u{e9}",
+        ]
+        .map(|h| HeaderValue::from_bytes(h.as_bytes()).unwrap());
+        for client in [&v4, &v6, &mapped] {
+            for host in hosts.iter().map(Some).chain([None]) {
+                let e = forwarded_element(client, host);
+                assert_eq!(e.capacity(), e.len(), "{e}");
+                assert_eq!(owned_value(e.clone()).unwrap(), e.as_str());
+            }
+        }
     }
 
     #[test]
