@@ -388,12 +388,10 @@ impl UpstreamClient {
         // To the direct pool, with the upstream's own `Host`, the request is made as it will
         // be written: origin-form, `Host` replaced where it stands (what `h1::origin_form`
         // would do to an absolute-form request, without building one to take it apart).
-        let direct_host = match &self.direct {
-            Some(pool) if authority.is_none() && parts.method != http::Method::CONNECT => {
-                pool.host_value()
-            }
-            _ => None,
-        };
+        let direct_host = self
+            .direct_pool(&parts.method)
+            .filter(|_| authority.is_none())
+            .and_then(|pool| pool.host_value());
         let uri = match direct_host {
             Some(_) => Uri::from(self.upstream_path(&parts.uri)),
             None => self.upstream_uri(&parts.uri, authority),
@@ -463,12 +461,30 @@ impl UpstreamClient {
     /// its path prefix, then the request's path and query. Without a prefix the path and
     /// query are reused as they are (no copy, no re-parse).
     fn upstream_uri(&self, incoming: &Uri, authority: Option<http::uri::Authority>) -> Uri {
+        self.absolute(authority, self.upstream_path(incoming))
+    }
+
+    /// The upstream's scheme and authority (or `authority`) with `path_and_query`.
+    fn absolute(
+        &self,
+        authority: Option<http::uri::Authority>,
+        path_and_query: http::uri::PathAndQuery,
+    ) -> Uri {
         let base = &self.config.url;
         let mut parts = http::uri::Parts::default();
         parts.scheme = base.scheme().cloned();
         parts.authority = authority.or_else(|| base.authority().cloned());
-        parts.path_and_query = Some(self.upstream_path(incoming));
+        parts.path_and_query = Some(path_and_query);
         Uri::from_parts(parts).unwrap_or_else(|_| base.clone())
+    }
+
+    /// The direct HTTP/1.1 pool, when a request with `method` goes through it: every request
+    /// to a plain `http://` HTTP/1.1 upstream but `CONNECT` (one rule for `prepare`, which
+    /// shapes the request for it, and `send_streamed`, which sends it there).
+    fn direct_pool(&self, method: &http::Method) -> Option<&std::sync::Arc<h1::Pool>> {
+        self.direct
+            .as_ref()
+            .filter(|_| method != http::Method::CONNECT)
     }
 
     /// The upstream's path prefix, then the request's path and query.
@@ -486,9 +502,9 @@ impl UpstreamClient {
     /// Sends a forward (plain or keyed) and waits for the response head (bounded by the upstream's
     /// `timeout`); the body streams. Over the direct HTTP/1.1 pool when the upstream has one.
     pub async fn send_streamed(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
-        match &self.direct {
-            Some(pool) if req.method() != http::Method::CONNECT => pool.send(req).await,
-            _ => Ok(self.send(req).await?.map(stream)),
+        match self.direct_pool(req.method()) {
+            Some(pool) => pool.send(req).await,
+            None => Ok(self.send(req).await?.map(stream)),
         }
     }
 
@@ -496,14 +512,10 @@ impl UpstreamClient {
     /// A request `prepare` made for the direct pool (origin-form) is put back in absolute-form,
     /// which the pooled client needs (a tunnel's request takes this way).
     pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Incoming>, UpstreamError> {
-        if req.uri().scheme().is_none() {
-            let mut parts = http::uri::Parts::default();
-            parts.scheme = self.config.url.scheme().cloned();
-            parts.authority = self.config.url.authority().cloned();
-            parts.path_and_query = req.uri().path_and_query().cloned();
-            if let Ok(uri) = Uri::from_parts(parts) {
-                *req.uri_mut() = uri;
-            }
+        if req.uri().scheme().is_none()
+            && let Some(pq) = req.uri().path_and_query().cloned()
+        {
+            *req.uri_mut() = self.absolute(None, pq);
         }
         match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
