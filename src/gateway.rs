@@ -64,6 +64,9 @@ pub struct Gateway {
     /// The routes and upstream clients in force; a reload swaps the whole snapshot, and each
     /// request (and its forward job) keeps the one it started with.
     routing: RwLock<Arc<Routing>>,
+    /// Counts the reloads: a [`Connection`] takes [`Gateway::routing`] again only when it
+    /// changed (a read of a line no request writes, instead of the lock and the count).
+    generation: std::sync::atomic::AtomicU64,
     pub(crate) store: Arc<dyn Store>,
     jobs: Arc<Jobs>,
     pub(crate) serializer: Arc<Serializer>,
@@ -103,6 +106,71 @@ impl Readiness {
 
     pub fn store_was_ready(&self) -> bool {
         self.store_was_ready.load(Ordering::SeqCst)
+    }
+}
+
+/// What the requests of one client connection share (`server.rs` makes one per
+/// connection): the gateway, the client, the connection's slot of `max_connections`, and
+/// the routing snapshot its last request used.
+///
+/// Per request this touches only the connection's own memory, which stays with the task that
+/// serves the connection: the runtime's workers do not pass the gateway's reference count,
+/// nor the routing lock and count, from core to core at every request. A reload is seen by
+/// the next request: the snapshot is taken again when [`Gateway`]'s reload count changed.
+pub struct Connection {
+    gateway: Arc<Gateway>,
+    client: ClientInfo,
+    slot: Option<crate::limits::ConnectionSlot>,
+    /// The reload count it was taken at, and the snapshot.
+    routing: std::sync::Mutex<(u64, Arc<ConnectionRouting>)>,
+}
+
+/// A connection's own reference to a routing snapshot: its requests clone this `Arc`, whose
+/// count only the connection's task writes, instead of the snapshot's, which every worker
+/// shares.
+struct ConnectionRouting(Arc<Routing>);
+
+impl Connection {
+    pub fn new(
+        gateway: Arc<Gateway>,
+        client: ClientInfo,
+        slot: Option<crate::limits::ConnectionSlot>,
+    ) -> Connection {
+        let generation = gateway
+            .generation
+            .load(std::sync::atomic::Ordering::Acquire);
+        let routing = Arc::new(ConnectionRouting(gateway.routing()));
+        Connection {
+            gateway,
+            client,
+            slot,
+            routing: std::sync::Mutex::new((generation, routing)),
+        }
+    }
+
+    /// The routing snapshot in force now.
+    fn routing(&self) -> Arc<ConnectionRouting> {
+        // Read before the snapshot: a count seen new is never paired with an older snapshot.
+        let generation = self
+            .gateway
+            .generation
+            .load(std::sync::atomic::Ordering::Acquire);
+        let mut cached = self.routing.lock().unwrap_or_else(|e| e.into_inner());
+        if cached.0 != generation {
+            *cached = (
+                generation,
+                Arc::new(ConnectionRouting(self.gateway.routing())),
+            );
+        }
+        Arc::clone(&cached.1)
+    }
+
+    /// Serves one request on this connection; never fails.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<Body> {
+        let routing = self.routing();
+        self.gateway
+            .handle(&routing.0, req, &self.client, self.slot.clone())
+            .await
     }
 }
 
@@ -206,6 +274,7 @@ impl Gateway {
         );
         Gateway {
             routing: RwLock::new(Arc::new(routing)),
+            generation: std::sync::atomic::AtomicU64::new(0),
             store,
             jobs,
             serializer: Arc::default(),
@@ -221,9 +290,14 @@ impl Gateway {
         &self.readiness
     }
 
-    /// Admits a request to `upstream` with `bytes` of body to buffer, or refuses it
-    /// (SPEC 8.2): nothing has been read, claimed or forwarded yet.
-    fn admit(&self, upstream: &UpstreamClient, bytes: usize) -> Result<Admission, GatewayError> {
+    /// Admits a request to `upstream` with `bytes` of body to buffer (`None`: a streamed
+    /// forward, which buffers nothing), or refuses it (SPEC 8.2): nothing has been read,
+    /// claimed or forwarded yet.
+    fn admit(
+        &self,
+        upstream: &UpstreamClient,
+        bytes: Option<usize>,
+    ) -> Result<Admission, GatewayError> {
         let refuse = |bound: &'static str| {
             self.metrics
                 .overloaded
@@ -238,10 +312,11 @@ impl Gateway {
             .limit
             .try_acquire()
             .ok_or_else(|| refuse("max_in_flight"))?;
-        let bytes = self
-            .budget
-            .try_reserve(bytes)
-            .ok_or_else(|| refuse("max_buffered_bytes"))?;
+        let bytes = match bytes {
+            Some(n) => self.budget.try_reserve(n),
+            None => self.budget.admit_unbuffered(),
+        }
+        .ok_or_else(|| refuse("max_buffered_bytes"))?;
         Ok(Admission { slot, bytes })
     }
 
@@ -301,6 +376,9 @@ impl Gateway {
             },
         );
         *self.routing.write().expect("routing lock") = Arc::new(routing);
+        // After the swap: a connection that sees the new count takes the new snapshot.
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::Release);
         Ok(restart_needed)
     }
 
@@ -331,13 +409,14 @@ impl Gateway {
         &self.store
     }
 
-    /// Serves one request; never fails.
-    /// `connection` is the connection's slot of `max_connections`: only a tunnel keeps it
-    /// past the response.
-    pub async fn handle(
-        self: Arc<Self>,
+    /// Serves one request of `client`'s connection with the routing snapshot `routing`;
+    /// never fails. `connection` is the connection's slot of `max_connections`: only a tunnel
+    /// keeps it past the response.
+    async fn handle(
+        self: &Arc<Self>,
+        routing: &Arc<Routing>,
         mut req: Request<Incoming>,
-        client: ClientInfo,
+        client: &ClientInfo,
         connection: Option<crate::limits::ConnectionSlot>,
     ) -> Response<Body> {
         let started = Instant::now();
@@ -356,10 +435,9 @@ impl Gateway {
             req.uri().path().to_string(),
             req.version(),
         );
-        let routing = self.routing();
         let mut log = RequestLog::new(outcome::PROXIED);
         let (mut resp, error) = match self
-            .route_request(&routing, req, client.clone(), connection, &mut log)
+            .route_request(routing, req, client, connection, &mut log)
             .await
         {
             Ok(resp) => (resp, None),
@@ -384,14 +462,15 @@ impl Gateway {
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        let handles = match &log.route {
-            Some(h) => Arc::clone(h),
+        match &log.route {
+            Some(handles) => {
+                handles.request(log.outcome);
+                if let Some(took) = log.upstream {
+                    handles.upstream(took);
+                }
+            }
             // No route matched: counted under `route=""`.
-            None => self.metrics.route(""),
-        };
-        handles.request(log.outcome);
-        if let Some(took) = log.upstream {
-            handles.upstream(took);
+            None => self.metrics.route("").request(log.outcome),
         }
         resp.headers_mut()
             .insert(crate::access::X_REQUEST_ID, request_id.clone());
@@ -402,7 +481,7 @@ impl Gateway {
             client_ip: client.addr.ip(),
             request_id,
             started,
-            route: log.route.map(|h| Arc::clone(&h.name)),
+            route: log.route,
             outcome: log.outcome,
             status: resp.status().as_u16(),
             key_id: log.key_id,
@@ -419,7 +498,7 @@ impl Gateway {
         self: &Arc<Self>,
         routing: &Arc<Routing>,
         mut req: Request<Incoming>,
-        client: ClientInfo,
+        client: &ClientInfo,
         connection: Option<crate::limits::ConnectionSlot>,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
@@ -453,14 +532,15 @@ impl Gateway {
                     usize::try_from(n)
                         .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
                 });
-                let admission = self.admit(upstream, reserve)?;
+                let admission = self.admit(upstream, Some(reserve))?;
                 // Boxed, like the tunnel below: hyper moves every request's future into place,
                 // and inline these rarer paths would make the plain forward's future larger.
+                let client = client.clone();
                 Box::pin(self.keyed(routing, route, idem, upstream, req, client, log, admission))
                     .await
             }
             _ => {
-                let admission = self.admit(upstream, 0)?;
+                let admission = self.admit(upstream, None)?;
                 let upgrade = crate::tunnel::requested(&req, &upstream.config)
                     .map(|protocols| (protocols, hyper::upgrade::on(&mut req)));
                 let (parts, body) = req.into_parts();
@@ -474,9 +554,11 @@ impl Gateway {
                         .map_err(|e| Box::new(e) as crate::forward::BoxError)
                         .boxed_unsync()
                 };
-                let mut out = upstream.prepare(parts, body, &client, None);
+                let mut out = upstream.prepare(parts, body, client, None);
                 match upgrade {
-                    None => proxy(upstream, out, log, admission).await,
+                    None => {
+                        proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await
+                    }
                     Some((protocols, on_client)) => {
                         crate::tunnel::ask(&mut out, protocols);
                         let hold = (admission, connection);
@@ -502,7 +584,8 @@ impl Gateway {
         let observe = idem.mode == Mode::Observe;
         let (parts, body) = req.into_parts();
         let limit = routing.config.server.body_read_timeout;
-        let body = tokio::time::timeout(
+        let body = crate::timer::timeout(
+            Some(&client.body_timer),
             limit,
             read_body(&parts.headers, body, idem.max_request_body),
         )
@@ -528,7 +611,7 @@ impl Gateway {
             Ok(None) => {
                 // No key and none required: a plain forward.
                 let out = upstream.prepare(parts, full(body), &client, None);
-                return proxy(upstream, out, log, admission).await;
+                return proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await;
             }
             Err(e) if observe => {
                 return forward_unkeyed(
@@ -649,7 +732,7 @@ impl KeyedWork {
             );
             async move {
                 let mut log = RequestLog::new(log_outcome);
-                let result = proxy(upstream, request, &mut log, admission).await;
+                let result = proxy(upstream, request, &mut log, admission, None).await;
                 (result, log_outcome, log.upstream)
             }
         };
@@ -664,13 +747,14 @@ impl KeyedWork {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
                 let mut log = RequestLog::new(outcome::BYPASSED);
-                let result = proxy(upstream, out, &mut log, admission)
-                    .await
-                    .map(|mut resp| {
-                        resp.headers_mut()
-                            .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
-                        resp
-                    });
+                let result =
+                    proxy(upstream, out, &mut log, admission, None)
+                        .await
+                        .map(|mut resp| {
+                            resp.headers_mut()
+                                .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                            resp
+                        });
                 return (result, outcome::BYPASSED, log.upstream);
             }
             Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
@@ -846,7 +930,7 @@ async fn forward_unkeyed(
 ) -> Result<Response<Body>, GatewayError> {
     tracing::info!(route = %route.name, would = why.outcome(), reason = %why, "observe: enforcing would refuse this request; forwarded without idempotency");
     let out = upstream.prepare(parts, body, &client, None);
-    let resp = proxy(upstream, out, log, admission).await?;
+    let resp = proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await?;
     log.outcome = why.outcome();
     Ok(resp)
 }
@@ -887,9 +971,10 @@ async fn proxy(
     req: Request<Body>,
     log: &mut RequestLog,
     admission: Admission,
+    timer: Option<&crate::timer::Spare>,
 ) -> Result<Response<Body>, GatewayError> {
     let started = Instant::now();
-    let sent = upstream.send_streamed(req).await;
+    let sent = upstream.send_streamed(req, timer).await;
     log.upstream = Some(started.elapsed());
     Ok(passed_on(sent.map_err(upstream_failure)?, admission, log))
 }

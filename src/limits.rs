@@ -43,10 +43,10 @@ impl ConnectionSlot {
     }
 }
 
-/// Slots of one upstream.
+/// Slots of one upstream. The count is its gauge's own atomic: one counter, so admitting
+/// and freeing a slot write one cache line, not two.
 pub struct UpstreamLimit {
     max: AtomicUsize,
-    current: AtomicUsize,
     gauge: Gauge,
 }
 
@@ -54,7 +54,6 @@ impl UpstreamLimit {
     pub fn new(max: usize, gauge: Gauge) -> UpstreamLimit {
         UpstreamLimit {
             max: AtomicUsize::new(max),
-            current: AtomicUsize::new(0),
             gauge,
         }
     }
@@ -66,18 +65,18 @@ impl UpstreamLimit {
 
     /// Requests admitted to this upstream now.
     pub fn current(&self) -> usize {
-        self.current.load(Ordering::Relaxed)
+        usize::try_from(self.gauge.get()).unwrap_or(0)
     }
 
     /// Takes a slot, or `None` when all are taken.
     pub fn try_acquire(self: &Arc<Self>) -> Option<SlotGuard> {
-        let max = self.max.load(Ordering::Relaxed);
-        self.current
+        let max = i64::try_from(self.max.load(Ordering::Relaxed)).unwrap_or(i64::MAX);
+        self.gauge
+            .inner()
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < max).then_some(n + 1)
             })
             .ok()?;
-        self.gauge.inc();
         Some(SlotGuard(Arc::clone(self)))
     }
 }
@@ -87,68 +86,77 @@ pub struct SlotGuard(Arc<UpstreamLimit>);
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
-        self.0.current.fetch_sub(1, Ordering::AcqRel);
         self.0.gauge.dec();
     }
 }
 
-/// The process's budget of buffered bytes.
+/// The process's budget of buffered bytes. The count is its gauge's own atomic, as for
+/// [`UpstreamLimit`].
 pub struct ByteBudget {
     max: usize,
-    used: AtomicUsize,
     gauge: Gauge,
 }
 
 impl ByteBudget {
     pub fn new(max: usize, gauge: Gauge) -> ByteBudget {
-        ByteBudget {
-            max,
-            used: AtomicUsize::new(0),
-            gauge,
-        }
+        ByteBudget { max, gauge }
     }
 
     /// Bytes held now.
     pub fn used(&self) -> usize {
-        self.used.load(Ordering::Relaxed)
+        usize::try_from(self.gauge.get()).unwrap_or(0)
     }
 
     /// Reserves `n` bytes, or `None` if that would pass the bound. A reservation of 0 bytes
     /// is refused while the budget is overdrawn (so captures already running drain first).
     pub fn try_reserve(self: &Arc<Self>, n: usize) -> Option<Reservation> {
-        let max = self.max;
-        self.used
+        let max = i64::try_from(self.max).unwrap_or(i64::MAX);
+        let n64 = i64::try_from(n).ok()?;
+        self.gauge
+            .inner()
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
-                let after = used.checked_add(n)?;
+                let after = used.checked_add(n64)?;
                 (used < max && after <= max).then_some(after)
             })
             .ok()?;
-        self.gauge.inc_by(n as i64);
         Some(Reservation {
-            budget: Arc::clone(self),
+            budget: Some(Arc::clone(self)),
             bytes: n,
+        })
+    }
+
+    /// Admits a request that buffers nothing (a streamed forward), refused as a reservation
+    /// of 0 bytes is while the budget is overdrawn; it only reads the counter. Its
+    /// reservation can never grow.
+    pub fn admit_unbuffered(&self) -> Option<Reservation> {
+        (self.used() < self.max).then_some(Reservation {
+            budget: None,
+            bytes: 0,
         })
     }
 }
 
 /// Bytes held for one request; given back on drop.
 pub struct Reservation {
-    budget: Arc<ByteBudget>,
+    /// `None` for [`ByteBudget::admit_unbuffered`]'s, which holds nothing.
+    budget: Option<Arc<ByteBudget>>,
     bytes: usize,
 }
 
 impl Reservation {
     /// Sets the reservation to exactly `n` bytes: shrinking gives bytes back; growing takes
-    /// them even past the bound (used for responses already executed upstream).
+    /// them even past the bound (used for responses already executed upstream). An
+    /// unbuffered request's reservation stays at 0 (nothing of it is buffered).
     pub fn resize(&mut self, n: usize) {
-        if n >= self.bytes {
-            let more = n - self.bytes;
-            self.budget.used.fetch_add(more, Ordering::AcqRel);
-            self.budget.gauge.inc_by(more as i64);
-        } else {
-            let less = self.bytes - n;
-            self.budget.used.fetch_sub(less, Ordering::AcqRel);
-            self.budget.gauge.dec_by(less as i64);
+        let Some(budget) = &self.budget else {
+            debug_assert_eq!(n, 0, "an unbuffered request's reservation grew");
+            return;
+        };
+        let delta = i64::try_from(n)
+            .unwrap_or(i64::MAX)
+            .saturating_sub(i64::try_from(self.bytes).unwrap_or(i64::MAX));
+        if delta != 0 {
+            budget.gauge.inc_by(delta);
         }
         self.bytes = n;
     }
@@ -205,5 +213,22 @@ mod tests {
         drop(a);
         assert_eq!(budget.used(), 0);
         assert_eq!(budget.gauge.get(), 0);
+    }
+
+    #[test]
+    fn an_unbuffered_admission_is_refused_while_overdrawn_and_holds_nothing() {
+        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
+        let mut held = budget.try_reserve(100).unwrap();
+        assert!(budget.admit_unbuffered().is_none(), "at the bound");
+        held.resize(150);
+        assert!(budget.admit_unbuffered().is_none(), "overdrawn");
+        held.resize(99);
+        let mut free = budget.admit_unbuffered().unwrap();
+        free.resize(0);
+        assert_eq!(free.bytes(), 0);
+        drop(free);
+        assert_eq!(budget.used(), 99);
+        drop(held);
+        assert_eq!(budget.used(), 0);
     }
 }

@@ -1,7 +1,8 @@
 //! Log output: stderr, text or JSON, kept off the request path.
 //!
-//! Events are formatted into a shared buffer instead of one `write(2)` each; a background
-//! thread writes the buffer out every [`FLUSH_EVERY`], and a writer flushes at once when the
+//! Events are formatted into a buffer per thread instead of one `write(2)` each (so that the
+//! runtime's workers never write into the same memory); a background thread writes the
+//! buffers out every [`FLUSH_EVERY`], and a writer flushes at once when its thread's
 //! buffer passes [`FLUSH_AT`] bytes or the event is a warning or an error (so what explains
 //! a failure is never left waiting in memory). [`flush`] writes what is left; `main` calls it
 //! before the process exits. A SIGKILL loses at most the last [`FLUSH_EVERY`] of info lines.
@@ -9,7 +10,7 @@
 //! ANSI colours only when stderr is a terminal.
 //!
 //! The access line, one per request, does not go through `tracing`'s formatter: once
-//! [`init`] has installed the subscriber, [`Event`] writes it straight into the buffer in the
+//! [`init`] has installed the subscriber, [`Event`] writes it straight into its thread's buffer in the
 //! same text or JSON layout `tracing-subscriber` gives every other line (a unit test compares
 //! the two byte for byte), at a fraction of the cost (no field visitor, no `Debug` of each
 //! value, no calendar arithmetic through `fmt`; a line buffer kept per thread, the date and
@@ -30,7 +31,6 @@ pub const FLUSH_EVERY: Duration = Duration::from_millis(50);
 /// A buffer this large is written out by the event that filled it.
 pub const FLUSH_AT: usize = 64 * 1024;
 
-static BUFFER: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 static FLUSHER: OnceLock<()> = OnceLock::new();
 /// The layout [`init`] installed; unset when the library logs under another subscriber.
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
@@ -40,27 +40,63 @@ pub fn own_format() -> Option<LogFormat> {
     FORMAT.get().copied()
 }
 
-/// The buffer written out last, emptied, kept to take [`BUFFER`]'s place at the next flush:
-/// writers append into room that is already there instead of growing a new buffer (and
-/// freeing a large one) every time. Only touched under the lock of stderr.
+/// One thread's lines not yet written out. Each thread appends to its own, so the runtime's
+/// workers never write into memory another core has just written (one shared buffer, and
+/// its lock, moved between the cores at every line).
+type Pending = crate::shard::Padded<Mutex<Vec<u8>>>;
+
+/// Every thread's [`Pending`], for [`flush`]; a thread that has exited leaves its buffer here
+/// until a flush has written it out.
+static THREADS: Mutex<Vec<std::sync::Arc<Pending>>> = Mutex::new(Vec::new());
+
+thread_local! {
+    /// This thread's [`Pending`], registered in [`THREADS`] at its first line.
+    static MINE: std::sync::Arc<Pending> = {
+        let mine = std::sync::Arc::new(Pending::default());
+        lock(&THREADS).push(std::sync::Arc::clone(&mine));
+        mine
+    };
+}
+
+/// A lock, also after a panic under it (a log buffer is always in a usable state).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The buffer written out last, emptied, kept to take a thread's buffer's place at the next
+/// flush: writers append into room that is already there instead of growing a new buffer
+/// (and freeing a large one) every time. Only touched under the lock of stderr.
 static SPARE: Mutex<Vec<u8>> = Mutex::new(Vec::new());
 /// A spare larger than this (after a burst) is dropped instead of kept.
 const SPARE_KEPT: usize = 4 * FLUSH_AT;
 
-/// Writes out whatever is buffered. Flushes write one after another, in the order they took
-/// their lines (under the lock of stderr).
+/// Writes out whatever is buffered: each thread's lines in the order that thread wrote
+/// them, a thread's whole buffer at a time (lines of different threads are ordered by their
+/// timestamps, not by their place in the output). Flushes write one after another (under the
+/// lock of stderr).
 pub fn flush() {
     let mut err = std::io::stderr().lock();
-    let mut spare = SPARE.lock().unwrap_or_else(|e| e.into_inner());
-    std::mem::swap(
-        &mut *spare,
-        &mut *BUFFER.lock().unwrap_or_else(|e| e.into_inner()),
-    );
-    if !spare.is_empty() {
-        let _ = err.write_all(&spare);
-        let _ = err.flush();
+    let mut spare = lock(&SPARE);
+    let threads = {
+        let mut threads = lock(&THREADS);
+        let all = std::mem::take(&mut *threads);
+        // A buffer only `all` holds belongs to a thread that has exited: written out below
+        // for the last time, and forgotten.
+        threads.extend(
+            all.iter()
+                .filter(|p| std::sync::Arc::strong_count(p) > 1)
+                .cloned(),
+        );
+        all
+    };
+    for pending in threads {
+        std::mem::swap(&mut *spare, &mut *lock(&pending.0));
+        if !spare.is_empty() {
+            let _ = err.write_all(&spare);
+        }
+        spare.clear();
     }
-    spare.clear();
+    let _ = err.flush();
     if spare.capacity() > SPARE_KEPT {
         *spare = Vec::new();
     }
@@ -70,17 +106,23 @@ pub fn flush() {
 #[derive(Clone, Copy)]
 struct Buffered;
 
-/// Appends one event to the shared buffer; flushes on drop when it must.
+/// Appends one event to its thread's buffer; flushes on drop when it must.
 struct EventWriter {
     urgent: bool,
 }
 
 impl Write for EventWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let mut pending = BUFFER.lock().unwrap_or_else(|e| e.into_inner());
-        pending.extend_from_slice(buf);
-        if pending.len() >= FLUSH_AT {
-            self.urgent = true;
+        let buffered = MINE.try_with(|mine| {
+            let mut pending = lock(&mine.0);
+            pending.extend_from_slice(buf);
+            if pending.len() >= FLUSH_AT {
+                self.urgent = true;
+            }
+        });
+        if buffered.is_err() {
+            // A line from a thread's exit, after its buffer is gone: written out at once.
+            std::io::stderr().lock().write_all(buf)?;
         }
         Ok(buf.len())
     }
@@ -157,7 +199,7 @@ pub enum Value<'a> {
 /// layout with `target` last.
 ///
 /// The line is formatted in a buffer the thread keeps between lines (no allocation per
-/// line) and then copied into the shared buffer under its lock.
+/// line) and then copied into the thread's buffer.
 pub struct Event {
     line: Vec<u8>,
     format: LogFormat,

@@ -26,11 +26,20 @@
 //!   three series of every observe route exist from the start (at 0), so a rate reads 0,
 //!   not "no data", on a route that has seen no duplicate yet.
 //!
+//! The two series every request writes (`idemgate_requests_total` and
+//! `idemgate_upstream_latency_seconds`) are kept per thread ([`ShardedCounter`],
+//! [`ShardedHistogram`], `shard.rs`) and summed when scraped: the runtime's workers do not pass
+//! one counter's cache line between their cores at every request.
+//!
 //! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
 //! older text format to anyone else; `promtool check metrics` lints the latter in CI.
 
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -38,6 +47,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use crate::shard::{Padded, SHARDS};
 
 /// The outcome names of `idemgate_requests_total`.
 pub mod outcome {
@@ -132,9 +143,134 @@ pub struct StateLabel {
     pub state: &'static str,
 }
 
+/// Latency bucket bounds: 100 µs to about 52 s.
+fn latency_bounds() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.0001, 2.0, 20)
+}
+
 fn latency_buckets() -> Histogram {
-    // 100 µs to about 52 s.
-    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
+    Histogram::new(latency_bounds())
+}
+
+fn route_latency_buckets() -> ShardedHistogram {
+    ShardedHistogram::new(latency_bounds())
+}
+
+/// A counter kept in one cell per shard (`shard.rs`), summed when read or scraped.
+#[derive(Clone, Debug, Default)]
+pub struct ShardedCounter(Arc<[Padded<AtomicU64>; SHARDS]>);
+
+impl ShardedCounter {
+    pub fn inc(&self) {
+        self.0[crate::shard::own()]
+            .0
+            .fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The count: the sum of the shards.
+    pub fn get(&self) -> u64 {
+        self.0.iter().map(|c| c.0.load(Ordering::Relaxed)).sum()
+    }
+}
+
+impl TypedMetric for ShardedCounter {
+    const TYPE: MetricType = MetricType::Counter;
+}
+
+impl EncodeMetric for ShardedCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_counter::<NoLabelSet, _, u64>(&self.get(), None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
+
+/// A histogram kept in one set of cells per shard (`shard.rs`), summed when scraped. A scrape
+/// may see an observation's count before its sum (each cell is exact on its own; the
+/// exposition of a histogram is not one atomic reading in any case).
+#[derive(Clone, Debug)]
+pub struct ShardedHistogram(Arc<HistogramCells>);
+
+#[derive(Debug)]
+struct HistogramCells {
+    /// Upper bounds, the last one `+Inf`.
+    bounds: Vec<f64>,
+    shards: [Padded<HistogramShard>; SHARDS],
+}
+
+#[derive(Debug, Default)]
+struct HistogramShard {
+    count: AtomicU64,
+    /// An `f64`'s bits.
+    sum: AtomicU64,
+    /// One per bound: the observations that fell in that bucket (not cumulative).
+    buckets: Vec<AtomicU64>,
+}
+
+impl ShardedHistogram {
+    pub fn new(bounds: impl IntoIterator<Item = f64>) -> ShardedHistogram {
+        let mut bounds: Vec<f64> = bounds.into_iter().collect();
+        bounds.push(f64::INFINITY);
+        let shards = std::array::from_fn(|_| {
+            Padded(HistogramShard {
+                buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
+                ..HistogramShard::default()
+            })
+        });
+        ShardedHistogram(Arc::new(HistogramCells { bounds, shards }))
+    }
+
+    pub fn observe(&self, v: f64) {
+        let cells = &*self.0;
+        let shard = &cells.shards[crate::shard::own()].0;
+        // NaN falls in the last bucket, as in prometheus-client.
+        let bucket = cells
+            .bounds
+            .iter()
+            .position(|b| v <= *b)
+            .unwrap_or(cells.bounds.len() - 1);
+        shard.buckets[bucket].fetch_add(1, Ordering::Relaxed);
+        // Only this thread writes its shard's sum: no retry in practice.
+        let _ = shard
+            .sum
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + v).to_bits())
+            });
+        shard.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Sum, count and the per-bucket counts, over the shards.
+    fn totals(&self) -> (f64, u64, Vec<(f64, u64)>) {
+        let cells = &*self.0;
+        let mut buckets: Vec<(f64, u64)> = cells.bounds.iter().map(|b| (*b, 0)).collect();
+        let (mut sum, mut count) = (0.0, 0);
+        for shard in &cells.shards {
+            let shard = &shard.0;
+            count += shard.count.load(Ordering::Relaxed);
+            sum += f64::from_bits(shard.sum.load(Ordering::Relaxed));
+            for (total, cell) in buckets.iter_mut().zip(&shard.buckets) {
+                total.1 += cell.load(Ordering::Relaxed);
+            }
+        }
+        (sum, count, buckets)
+    }
+}
+
+impl TypedMetric for ShardedHistogram {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for ShardedHistogram {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let (sum, count, buckets) = self.totals();
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
 }
 
 fn batch_buckets() -> Histogram {
@@ -181,9 +317,9 @@ impl StoreMetrics {
 /// Every metric of a gateway process.
 pub struct Metrics {
     registry: Mutex<Registry>,
-    pub requests: Family<RouteOutcome, Counter>,
+    pub requests: Family<RouteOutcome, ShardedCounter>,
     pub leases: Family<RouteEvent, Counter>,
-    pub upstream_latency: Family<RouteLabel, Histogram>,
+    pub upstream_latency: Family<RouteLabel, ShardedHistogram>,
     pub forwards_in_flight: Gauge,
     pub replay_cache_bytes: Gauge,
     pub wakeups_healthy: Gauge,
@@ -198,33 +334,40 @@ pub struct Metrics {
 
 /// One route's request counters (by outcome, filled on first use) and latency histogram,
 /// resolved once per route: `Routing` holds one per configured route, so a request counts
-/// without looking its route up by name.
+/// without looking its route up by name, and without a lock.
 pub struct RouteHandles {
     /// The route's name (the label of its series, and the access line's `route`).
     pub name: Arc<str>,
-    outcomes: Mutex<Vec<(&'static str, Counter)>>,
-    upstream: Histogram,
+    /// One slot per outcome this route has had, filled in the order they first came.
+    outcomes: [OnceLock<(&'static str, ShardedCounter)>; OUTCOME_SLOTS],
+    upstream: ShardedHistogram,
     /// `Metrics::requests`, for an outcome this route has not had yet.
-    requests: Family<RouteOutcome, Counter>,
+    requests: Family<RouteOutcome, ShardedCounter>,
 }
+
+/// More than there are outcome names (`outcome`); past them a count takes the family's lock.
+const OUTCOME_SLOTS: usize = 32;
 
 impl RouteHandles {
     /// Counts a request of this route that ended with `outcome`.
     pub fn request(&self, outcome: &'static str) {
-        let mut outcomes = self.outcomes.lock().expect("metrics lock");
-        if let Some((_, c)) = outcomes.iter().find(|(o, _)| *o == outcome) {
-            c.inc();
-            return;
+        let counter = || {
+            self.requests
+                .get_or_create(&RouteOutcome {
+                    route: self.name.to_string(),
+                    outcome,
+                })
+                .clone()
+        };
+        for slot in &self.outcomes {
+            // A free slot is filled once; two threads filling it at once get the same value.
+            let (name, c) = slot.get_or_init(|| (outcome, counter()));
+            if *name == outcome {
+                c.inc();
+                return;
+            }
         }
-        let c = self
-            .requests
-            .get_or_create(&RouteOutcome {
-                route: self.name.to_string(),
-                outcome,
-            })
-            .clone();
-        c.inc();
-        outcomes.push((outcome, c));
+        counter().inc();
     }
 
     /// Observes how long this route's upstream took to answer.
@@ -236,10 +379,10 @@ impl RouteHandles {
 impl Metrics {
     pub fn new(store: &StoreMetrics) -> Metrics {
         let mut registry = Registry::with_prefix("idemgate");
-        let requests = Family::<RouteOutcome, Counter>::default();
+        let requests = Family::<RouteOutcome, ShardedCounter>::default();
         let leases = Family::<RouteEvent, Counter>::default();
         let upstream_latency =
-            Family::<RouteLabel, Histogram>::new_with_constructor(latency_buckets);
+            Family::<RouteLabel, ShardedHistogram>::new_with_constructor(route_latency_buckets);
         let forwards_in_flight = Gauge::default();
         let replay_cache_bytes = Gauge::default();
         let wakeups_healthy = Gauge::default();
@@ -371,7 +514,7 @@ impl Metrics {
         let h = all.entry(route.to_string()).or_insert_with(|| {
             Arc::new(RouteHandles {
                 name: Arc::from(route),
-                outcomes: Mutex::new(Vec::new()),
+                outcomes: std::array::from_fn(|_| OnceLock::new()),
                 upstream: self
                     .upstream_latency
                     .get_or_create(&RouteLabel {
@@ -504,6 +647,56 @@ mod tests {
             text.contains("# TYPE idemgate_wakeups_healthy gauge\nidemgate_wakeups_healthy 1\n")
         );
         assert!(!text.contains("# EOF"));
+    }
+
+    #[test]
+    fn counts_from_many_threads_at_once_are_exact_in_the_exposition() {
+        let m = Arc::new(Metrics::new(&StoreMetrics::default()));
+        let h = m.route("payments");
+        let outcomes = [outcome::PROXIED, outcome::REPLAYED, outcome::FORWARDED];
+        // More threads than shards, so that some share one.
+        let threads: Vec<_> = (0..SHARDS + 4)
+            .map(|t| {
+                let h = Arc::clone(&h);
+                std::thread::spawn(move || {
+                    for i in 0..1000 {
+                        h.request(outcomes[(t + i) % 3]);
+                        // 1 ms, in the bucket up to 1.6 ms.
+                        h.upstream(Duration::from_millis(1));
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let total = (SHARDS + 4) * 1000;
+        let text = m.encode(Format::Text);
+        let counted: u64 = outcomes
+            .iter()
+            .map(|o| {
+                let series =
+                    format!("idemgate_requests_total{{route=\"payments\",outcome=\"{o}\"}} ");
+                let line = text.lines().find(|l| l.starts_with(&series)).unwrap();
+                line[series.len()..].parse::<u64>().unwrap()
+            })
+            .sum();
+        assert_eq!(counted, total as u64);
+        assert!(text.contains(&format!(
+            "idemgate_upstream_latency_seconds_count{{route=\"payments\"}} {total}\n"
+        )));
+        assert!(text.contains(
+            "idemgate_upstream_latency_seconds_bucket{le=\"0.0008\",route=\"payments\"} 0\n"
+        ));
+        assert!(text.contains(&format!(
+            "idemgate_upstream_latency_seconds_bucket{{le=\"0.0016\",route=\"payments\"}} {total}\n"
+        )));
+        let sum_line = text
+            .lines()
+            .find(|l| l.starts_with("idemgate_upstream_latency_seconds_sum{route=\"payments\"} "))
+            .unwrap();
+        let sum: f64 = sum_line.rsplit(' ').next().unwrap().parse().unwrap();
+        assert!((sum - total as f64 * 0.001).abs() < 1e-6, "{sum_line}");
     }
 
     #[test]

@@ -118,7 +118,7 @@ impl ForwardJob {
         let limit = idem.max_stored_response;
         let held = &mut self.admission.bytes;
         let exchange = async {
-            let resp = upstream.send_streamed(request).await?;
+            let resp = upstream.send_streamed(request, None).await?;
             let (parts, body) = resp.into_parts();
             if idem.retry_statuses.contains(parts.status.as_u16()) {
                 return Ok((parts, Captured::PassOn(body)));

@@ -32,7 +32,7 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
-use crate::gateway::Gateway;
+use crate::gateway::{Connection, Gateway};
 use crate::limits::ConnectionSlot;
 
 /// Concurrent requests on one h2 connection.
@@ -54,9 +54,9 @@ pub async fn run(
         )?)),
     };
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // hyper's timer for the header read timeout is set per connection, below.
     builder
         .http1()
-        .timer(TokioTimer::new())
         .header_read_timeout(cfg.header_read_timeout)
         .max_buf_size(cfg.max_header_bytes);
     // h2 has no header read timeout: idle connections are found by pings instead, and the
@@ -91,17 +91,23 @@ pub async fn run(
         };
         let _ = stream.set_nodelay(true);
         let info = ClientInfo::new(addr, tls.is_some());
-        let gw = Arc::clone(&gateway);
         let permit = ConnectionSlot::new(permit);
-        let slot = permit.clone();
+        let connection = Arc::new(Connection::new(
+            Arc::clone(&gateway),
+            info,
+            Some(permit.clone()),
+        ));
         let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-            let (gw, info, slot) = (Arc::clone(&gw), info.clone(), slot.clone());
-            async move { Ok::<_, Infallible>(gw.handle(req, info, Some(slot)).await) }
+            let connection = Arc::clone(&connection);
+            async move { Ok::<_, Infallible>(connection.handle(req).await) }
         });
+        // The connection's own timer for its request heads, which reuses one sleep from one
+        // head to the next (`timer.rs`).
+        let mut builder = builder.clone();
+        builder.http1().timer(crate::timer::Spare::default());
         if let Some(acceptor) = &tls {
             // The handshake runs in the connection's task, bounded like a request head.
-            let (acceptor, builder, watcher) =
-                (acceptor.clone(), builder.clone(), graceful.watcher());
+            let (acceptor, watcher) = (acceptor.clone(), graceful.watcher());
             let limit = cfg.header_read_timeout;
             tokio::spawn(async move {
                 match tokio::time::timeout(limit, acceptor.accept(stream)).await {

@@ -24,6 +24,13 @@
 //! - At most [`MAX_IDLE`] connections wait in a pool; one idle for [`IDLE_TIMEOUT`] is closed
 //!   when found, and a reaper closes them when nobody comes (so sockets the upstream closed
 //!   do not linger).
+//!
+//! The idle connections are kept in `shard::SHARDS` lists (each keeping at most `MAX_IDLE /
+//! SHARDS`), each thread giving back to and taking
+//! from its own first: a connection mostly stays with the runtime worker that used it last,
+//! with its buffers and state in that core's cache, as an nginx worker keeps its own
+//! keep-alive pool. A thread whose list is empty takes from the others before it connects,
+//! so sharding opens no more connections than one list would.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -43,6 +50,7 @@ use tokio::time::Instant;
 
 use super::{Body, BoxError, UpstreamError, error_chain};
 use crate::config::UpstreamConfig;
+use crate::shard::{Padded, SHARDS};
 
 /// Idle connections kept per upstream.
 pub const MAX_IDLE: usize = 512;
@@ -59,6 +67,9 @@ struct Idle {
     since: Instant,
 }
 
+/// One list of idle connections.
+type Shard = Padded<Mutex<Vec<Idle>>>;
+
 /// The idle connections to one upstream.
 pub struct Pool {
     /// `host:port` to connect to (the upstream's URL, port 80 by default).
@@ -67,8 +78,8 @@ pub struct Pool {
     host: Option<(uri::Authority, HeaderValue)>,
     connect_timeout: Duration,
     timeout: Duration,
-    /// Oldest first; taken from the end.
-    idle: Mutex<Vec<Idle>>,
+    /// Oldest first in each; taken from the end.
+    idle: [Shard; SHARDS],
     /// Whether the reaper task was started (once, by the first connection given back).
     reaper: std::sync::atomic::AtomicBool,
 }
@@ -96,7 +107,7 @@ impl Pool {
             host: made,
             connect_timeout: cfg.connect_timeout,
             timeout: cfg.timeout,
-            idle: Mutex::new(Vec::new()),
+            idle: Default::default(),
             reaper: std::sync::atomic::AtomicBool::new(false),
         }))
     }
@@ -109,16 +120,18 @@ impl Pool {
     /// Sends `req` and returns the response; its body drives the connection and gives it back
     /// at its end. An absolute-form request (the client's `Host` kept, `preserve_host`) is put
     /// in origin-form first; one `UpstreamClient::prepare` made for this pool already is.
+    /// The exchange is timed by `timer` when given (the client connection's, `timer.rs`).
     pub async fn send(
         self: &Arc<Pool>,
         req: Request<Body>,
+        timer: Option<&crate::timer::Spare>,
     ) -> Result<Response<Body>, UpstreamError> {
         let req = if req.uri().scheme().is_some() {
             origin_form(req, self.host.as_ref())
         } else {
             req
         };
-        match tokio::time::timeout(self.timeout, self.exchange(req)).await {
+        match crate::timer::timeout(timer, self.timeout, self.exchange(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(r) => r,
         }
@@ -180,23 +193,31 @@ impl Pool {
             .map_err(|e| UpstreamError::Connect(error_chain(&e)))
     }
 
-    /// The most recently used idle connection that is still open and ready.
+    /// The most recently used idle connection that is still open and ready: from the
+    /// thread's own list, else from the others in turn.
     async fn take_idle(&self) -> Option<Idle> {
-        loop {
-            let mut idle = {
-                let mut list = self.idle.lock().expect("pool lock");
-                let idle = list.pop()?;
-                if idle.since.elapsed() >= IDLE_TIMEOUT {
-                    // The rest are older still.
-                    list.clear();
-                    return None;
+        let own = crate::shard::own();
+        for i in 0..SHARDS {
+            let shard = &self.idle[(own + i) % SHARDS];
+            loop {
+                let mut idle = {
+                    let mut list = shard.0.lock().expect("pool lock");
+                    let Some(idle) = list.pop() else {
+                        break;
+                    };
+                    if idle.since.elapsed() >= IDLE_TIMEOUT {
+                        // The rest of this list are older still.
+                        list.clear();
+                        break;
+                    }
+                    idle
+                };
+                if std::future::poll_fn(|cx| Poll::Ready(ready(&mut idle, cx))).await {
+                    return Some(idle);
                 }
-                idle
-            };
-            if std::future::poll_fn(|cx| Poll::Ready(ready(&mut idle, cx))).await {
-                return Some(idle);
             }
         }
+        None
     }
 
     fn respond(self: &Arc<Pool>, driven: Exchange) -> Response<Body> {
@@ -213,8 +234,8 @@ impl Pool {
 
     fn give_back(self: &Arc<Pool>, tx: SendRequest<Body>, conn: Conn) {
         {
-            let mut list = self.idle.lock().expect("pool lock");
-            if list.len() >= MAX_IDLE {
+            let mut list = self.idle[crate::shard::own()].0.lock().expect("pool lock");
+            if list.len() >= MAX_IDLE / SHARDS {
                 list.remove(0);
             }
             list.push(Idle {
@@ -250,10 +271,13 @@ async fn reap(pool: Weak<Pool>) {
             return;
         };
         let mut cx = Context::from_waker(waker);
-        pool.idle
-            .lock()
-            .expect("pool lock")
-            .retain_mut(|idle| idle.since.elapsed() < IDLE_TIMEOUT && ready(idle, &mut cx));
+        for shard in &pool.idle {
+            shard
+                .0
+                .lock()
+                .expect("pool lock")
+                .retain_mut(|idle| idle.since.elapsed() < IDLE_TIMEOUT && ready(idle, &mut cx));
+        }
     }
 }
 

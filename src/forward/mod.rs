@@ -246,6 +246,10 @@ impl tower_service::Service<Uri> for Pinned {
 pub struct ClientInfo {
     pub addr: SocketAddr,
     pub tls: bool,
+    /// The connection's sleeps for its requests' upstream exchanges and body reads, reused
+    /// from one request to the next (`timer.rs`).
+    pub(crate) upstream_timer: crate::timer::Spare,
+    pub(crate) body_timer: crate::timer::Spare,
     /// The client's IP as a header value, made once per connection, not per request.
     ip: HeaderValue,
     /// `for=<ip>;proto=<scheme>` of this connection's `Forwarded` element, made once.
@@ -266,6 +270,8 @@ impl ClientInfo {
         ClientInfo {
             addr,
             tls,
+            upstream_timer: crate::timer::Spare::default(),
+            body_timer: crate::timer::Spare::default(),
             ip,
             forwarded,
         }
@@ -501,9 +507,13 @@ impl UpstreamClient {
 
     /// Sends a forward (plain or keyed) and waits for the response head (bounded by the upstream's
     /// `timeout`); the body streams. Over the direct HTTP/1.1 pool when the upstream has one.
-    pub async fn send_streamed(&self, req: Request<Body>) -> Result<Response<Body>, UpstreamError> {
+    pub async fn send_streamed(
+        &self,
+        req: Request<Body>,
+        timer: Option<&crate::timer::Spare>,
+    ) -> Result<Response<Body>, UpstreamError> {
         match self.direct_pool(req.method()) {
-            Some(pool) => pool.send(req).await,
+            Some(pool) => pool.send(req, timer).await,
             None => Ok(self.send(req).await?.map(stream)),
         }
     }

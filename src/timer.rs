@@ -1,0 +1,196 @@
+//! Sleeps that reuse one tokio timer per client connection instead of making one per request.
+//!
+//! A new tokio sleep finds the runtime's handle (a reference count every worker shares),
+//! registers with the timer wheel when first polled (under the wheel's lock) and deregisters
+//! when dropped (under it again). A plain request made two of them: hyper's header read
+//! timeout and the upstream exchange's timeout. A sleep moved to a later deadline while it is
+//! still registered costs one compare-and-swap instead: the wheel finds the later deadline when
+//! the earlier one comes and files the entry again. [`Spare`] keeps a connection's sleep
+//! between requests for that, and is hyper's timer for the connection's request heads.
+//!
+//! Invariants: a sleep has one user at a time (it is taken out of the spare while in use; a
+//! second user at the same time, as on an h2 connection, gets a new one, and the spare keeps
+//! one of them afterwards); a reused sleep fires at the deadline it was last given, as a new
+//! one would.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::time::{Instant, Sleep};
+
+/// One connection's sleep between uses (see the module docs). Cloned by the connection's
+/// requests, which share it.
+#[derive(Clone, Debug, Default)]
+pub struct Spare(Arc<Mutex<Option<Pin<Box<Sleep>>>>>);
+
+impl Spare {
+    /// A sleep until `deadline`: the spare one moved there, or a new one.
+    pub fn sleep_until(&self, deadline: Instant) -> Recycled {
+        let spare = self.0.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let sleep = match spare {
+            Some(mut sleep) => {
+                sleep.as_mut().reset(deadline);
+                sleep
+            }
+            None => Box::pin(tokio::time::sleep_until(deadline)),
+        };
+        Recycled {
+            sleep: Some(sleep),
+            spare: self.clone(),
+        }
+    }
+}
+
+/// A sleep that goes back to its [`Spare`] when dropped.
+pub struct Recycled {
+    /// Always `Some` until dropped.
+    sleep: Option<Pin<Box<Sleep>>>,
+    spare: Spare,
+}
+
+impl Future for Recycled {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        match self.sleep.as_mut() {
+            Some(sleep) => sleep.as_mut().poll(cx),
+            None => Poll::Ready(()),
+        }
+    }
+}
+
+impl Drop for Recycled {
+    fn drop(&mut self) {
+        if let Some(sleep) = self.sleep.take() {
+            let mut spare = self.spare.0.lock().unwrap_or_else(|e| e.into_inner());
+            if spare.is_none() {
+                *spare = Some(sleep);
+            }
+        }
+    }
+}
+
+impl hyper::rt::Sleep for Recycled {}
+
+/// hyper's timer for one connection (its header read timeout): the connection's [`Spare`].
+impl hyper::rt::Timer for Spare {
+    fn sleep(&self, duration: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Spare::sleep_until(self, Instant::now() + duration))
+    }
+
+    fn sleep_until(&self, deadline: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
+        Box::pin(Spare::sleep_until(self, deadline.into()))
+    }
+
+    fn now(&self) -> std::time::Instant {
+        Instant::now().into()
+    }
+}
+
+/// `duration` passed before the future completed.
+#[derive(Debug)]
+pub struct Elapsed;
+
+/// `fut`, or `Err(Elapsed)` when `duration` passes first (as `tokio::time::timeout`), timed
+/// by `spare`'s sleep when one is given.
+pub async fn timeout<F: Future>(
+    spare: Option<&Spare>,
+    duration: Duration,
+    fut: F,
+) -> Result<F::Output, Elapsed> {
+    let Some(spare) = spare else {
+        return tokio::time::timeout(duration, fut)
+            .await
+            .map_err(|_| Elapsed);
+    };
+    let mut fut = std::pin::pin!(fut);
+    let mut sleep = spare.sleep_until(Instant::now() + duration);
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+            return Poll::Ready(Ok(out));
+        }
+        Pin::new(&mut sleep).poll(cx).map(|()| Err(Elapsed))
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reused_sleep_fires_at_its_new_deadline_not_its_old_one() {
+        let spare = Spare::default();
+        let first = spare.sleep_until(Instant::now() + Duration::from_secs(10));
+        drop(first);
+        // The same sleep, moved later while it is still registered for the earlier deadline.
+        let started = Instant::now();
+        spare
+            .sleep_until(Instant::now() + Duration::from_secs(30))
+            .await;
+        assert!(started.elapsed() >= Duration::from_secs(30));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reused_sleep_moved_earlier_fires_at_the_earlier_deadline() {
+        let spare = Spare::default();
+        let mut first = spare.sleep_until(Instant::now() + Duration::from_secs(30));
+        // Registered with the wheel by a poll, then given back.
+        assert!(futures_poll(&mut first).is_pending());
+        drop(first);
+        let started = Instant::now();
+        spare
+            .sleep_until(Instant::now() + Duration::from_secs(5))
+            .await;
+        let took = started.elapsed();
+        assert!(
+            took >= Duration::from_secs(5) && took < Duration::from_secs(30),
+            "{took:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn two_users_at_once_get_two_sleeps() {
+        let spare = Spare::default();
+        let a = spare.sleep_until(Instant::now() + Duration::from_secs(1));
+        let b = spare.sleep_until(Instant::now() + Duration::from_secs(2));
+        let started = Instant::now();
+        a.await;
+        assert!(started.elapsed() >= Duration::from_secs(1));
+        b.await;
+        assert!(started.elapsed() >= Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_on_the_spare_ends_a_slow_future_and_passes_a_fast_one() {
+        let spare = Spare::default();
+        let slow = timeout(
+            Some(&spare),
+            Duration::from_secs(1),
+            tokio::time::sleep(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(slow.is_err());
+        let fast = timeout(Some(&spare), Duration::from_secs(10), async { 7 }).await;
+        assert_eq!(fast.unwrap(), 7);
+        // The sleep of the first, reused for the second, was moved later: a third that
+        // needs its whole bound gets it.
+        let started = Instant::now();
+        let third = timeout(
+            Some(&spare),
+            Duration::from_secs(5),
+            tokio::time::sleep(Duration::from_secs(4)),
+        )
+        .await;
+        assert!(third.is_ok());
+        assert!(started.elapsed() >= Duration::from_secs(4));
+    }
+
+    fn futures_poll(fut: &mut Recycled) -> Poll<()> {
+        let waker = std::task::Waker::noop();
+        Pin::new(fut).poll(&mut Context::from_waker(waker))
+    }
+}
