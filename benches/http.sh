@@ -23,6 +23,23 @@ end
 LUA
 }
 
+# Writes to $1 a wrk script sending `POST /pay` with a new Idempotency-Key in every request
+# (wrk's first script argument as a prefix, then a counter), one of 100 accounts, and wrk's
+# second script argument as the JSON body.
+new_keys_lua() { # file
+  cat >"$1" <<'LUA'
+local body, prefix, counter = nil, nil, 0
+local headers = { ["Content-Type"] = "application/json" }
+function init(args) prefix, body = args[1], args[2] end
+function request()
+  counter = counter + 1
+  headers["Idempotency-Key"] = prefix .. "-" .. counter
+  headers["X-Account-Id"] = "acct-" .. (counter % 100)
+  return wrk.format("POST", "/pay", headers, body)
+end
+LUA
+}
+
 NGINX_MASTERS=()
 
 # Starts an nginx named $1 (its files under $WORK/$1) serving the server blocks $2.

@@ -33,7 +33,7 @@ done
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT, PM), start_pgbouncer (sets BPORT,
 # BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx,
-# wait_answering, gateway_routes and BODY: benches/http.sh.
+# wait_answering, gateway_routes, new_keys_lua and BODY: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GATEWAYS=()
@@ -94,18 +94,7 @@ for name in "${NAMES[@]}"; do
   wait_answering "${GW_PORT[$name]}" /plain/pay "$WORK/$name.log"
 done
 
-# A new Idempotency-Key in every request (a prefix per run and a counter), 100 accounts.
-cat >"$WORK/new_keys.lua" <<'LUA'
-local body, prefix, counter = nil, nil, 0
-local headers = { ["Content-Type"] = "application/json" }
-function init(args) prefix, body = args[1], args[2] end
-function request()
-  counter = counter + 1
-  headers["Idempotency-Key"] = prefix .. "-" .. counter
-  headers["X-Account-Id"] = "acct-" .. (counter % 100)
-  return wrk.format("POST", "/pay", headers, body)
-end
-LUA
+new_keys_lua "$WORK/new_keys.lua"
 
 RUN=0
 measure() { # name
