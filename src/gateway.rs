@@ -136,31 +136,24 @@ impl Connection {
         client: ClientInfo,
         slot: Option<crate::limits::ConnectionSlot>,
     ) -> Connection {
-        let generation = gateway
-            .generation
-            .load(std::sync::atomic::Ordering::Acquire);
-        let routing = Arc::new(ConnectionRouting(gateway.routing()));
+        let routing = std::sync::Mutex::new(ConnectionRouting::taken(&gateway));
         Connection {
             gateway,
             client,
             slot,
-            routing: std::sync::Mutex::new((generation, routing)),
+            routing,
         }
     }
 
     /// The routing snapshot in force now.
     fn routing(&self) -> Arc<ConnectionRouting> {
-        // Read before the snapshot: a count seen new is never paired with an older snapshot.
         let generation = self
             .gateway
             .generation
             .load(std::sync::atomic::Ordering::Acquire);
         let mut cached = self.routing.lock().unwrap_or_else(|e| e.into_inner());
         if cached.0 != generation {
-            *cached = (
-                generation,
-                Arc::new(ConnectionRouting(self.gateway.routing())),
-            );
+            *cached = ConnectionRouting::taken(&self.gateway);
         }
         Arc::clone(&cached.1)
     }
@@ -171,6 +164,17 @@ impl Connection {
         self.gateway
             .handle(&routing.0, req, &self.client, self.slot.clone())
             .await
+    }
+}
+
+impl ConnectionRouting {
+    /// `gateway`'s snapshot now, with the reload count read before it: a count seen new is
+    /// never paired with an older snapshot.
+    fn taken(gateway: &Gateway) -> (u64, Arc<ConnectionRouting>) {
+        let generation = gateway
+            .generation
+            .load(std::sync::atomic::Ordering::Acquire);
+        (generation, Arc::new(ConnectionRouting(gateway.routing())))
     }
 }
 
