@@ -537,10 +537,8 @@ impl Gateway {
                         .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
                 });
                 let admission = self.admit(upstream, Some(reserve))?;
-                // Boxed, like the tunnel below: hyper moves every request's future into place,
-                // and inline these rarer paths would make the plain forward's future larger.
                 let client = client.clone();
-                Box::pin(self.keyed(routing, route, idem, upstream, req, client, log, admission))
+                self.keyed(routing, route, idem, upstream, req, client, log, admission)
                     .await
             }
             _ => {
@@ -573,6 +571,10 @@ impl Gateway {
         }
     }
 
+    /// A keyed request: its body read, its key found, a hot replay answered here, anything
+    /// else handed to a [`KeyedWork`] task. The rarer ways out (observe's forwards without a
+    /// key, a request that has none) are boxed: this future is part of every request's
+    /// future, which hyper moves into place whole.
     #[allow(clippy::too_many_arguments)] // one request's parts, named; a struct would only rename them
     async fn keyed(
         self: &Arc<Self>,
@@ -601,9 +603,9 @@ impl Gateway {
         let body = match body {
             RequestBody::Whole(body) => body,
             RequestBody::TooLarge(rest) if observe => {
-                return forward_unkeyed(
+                return Box::pin(forward_unkeyed(
                     route, upstream, parts, rest, client, log, admission, too_large,
-                )
+                ))
                 .await;
             }
             RequestBody::TooLarge(_) => return Err(too_large),
@@ -615,10 +617,11 @@ impl Gateway {
             Ok(None) => {
                 // No key and none required: a plain forward.
                 let out = upstream.prepare(parts, full(body), &client, None);
-                return proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await;
+                let timer = Some(&client.upstream_timer);
+                return Box::pin(proxy(upstream, out, log, admission, timer)).await;
             }
             Err(e) if observe => {
-                return forward_unkeyed(
+                return Box::pin(forward_unkeyed(
                     route,
                     upstream,
                     parts,
@@ -627,7 +630,7 @@ impl Gateway {
                     log,
                     admission,
                     e,
-                )
+                ))
                 .await;
             }
             Err(e) => return Err(e),
@@ -665,7 +668,9 @@ impl Gateway {
             admission,
         };
         // Awaited by its handle: dropping the handle (the client hung up) does not cancel it.
-        let (result, outcome, upstream_took) = joined(tokio::spawn(work.run()).await);
+        // Boxed: `tokio::spawn` moves its future whole several times and writes the task's
+        // output over a slot of the future's size, and this one is 5 KB; a box is moved once.
+        let (result, outcome, upstream_took) = joined(tokio::spawn(Box::pin(work.run())).await);
         log.outcome = outcome;
         log.upstream = upstream_took;
         result
@@ -734,11 +739,12 @@ impl KeyedWork {
                 &client,
                 Some((&idem.forward_key_header, &key)),
             );
-            async move {
+            // Boxed, as the other rare ways below: `tokio::spawn` moves this future whole.
+            Box::pin(async move {
                 let mut log = RequestLog::new(log_outcome);
                 let result = proxy(upstream, request, &mut log, admission, None).await;
                 (result, log_outcome, log.upstream)
-            }
+            })
         };
         let mut claimed_at = Instant::now();
         let first = match gateway.store.claim(claim).await {
@@ -751,14 +757,13 @@ impl KeyedWork {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
                 let out = upstream.prepare(parts, full(body), &client, None);
                 let mut log = RequestLog::new(outcome::BYPASSED);
-                let result =
-                    proxy(upstream, out, &mut log, admission, None)
-                        .await
-                        .map(|mut resp| {
-                            resp.headers_mut()
-                                .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
-                            resp
-                        });
+                let result = Box::pin(proxy(upstream, out, &mut log, admission, None))
+                    .await
+                    .map(|mut resp| {
+                        resp.headers_mut()
+                            .insert(IDEMPOTENCY_STATUS, HeaderValue::from_static("bypassed"));
+                        resp
+                    });
                 return (result, outcome::BYPASSED, log.upstream);
             }
             Err(e) => return (Err(e.into()), outcome::STORE_UNAVAILABLE, None),
@@ -789,7 +794,13 @@ impl KeyedWork {
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
-                match wait::wait_in_flight(gateway.store.as_ref(), claim, deadline).await {
+                match Box::pin(wait::wait_in_flight(
+                    gateway.store.as_ref(),
+                    claim,
+                    deadline,
+                ))
+                .await
+                {
                     Ok(Some((found, at))) => {
                         claimed_at = at;
                         waited = true;

@@ -96,25 +96,56 @@ pub struct Elapsed;
 
 /// `fut`, or `Err(Elapsed)` when `duration` passes first (as `tokio::time::timeout`), timed
 /// by `spare`'s sleep when one is given.
-pub async fn timeout<F: Future>(
-    spare: Option<&Spare>,
-    duration: Duration,
-    fut: F,
-) -> Result<F::Output, Elapsed> {
-    let Some(spare) = spare else {
-        return tokio::time::timeout(duration, fut)
-            .await
-            .map_err(|_| Elapsed);
+///
+/// A future of its own rather than an `async fn`: an `async fn` keeps its argument and the
+/// pinned copy it polls both in its state, so every future that awaits this one would carry
+/// `fut` twice, and every request's future is moved into place whole (hyper, `tokio::spawn`).
+pub fn timeout<F: Future>(spare: Option<&Spare>, duration: Duration, fut: F) -> Timeout<F> {
+    let deadline = Instant::now() + duration;
+    let sleep = match spare {
+        Some(spare) => Deadline::Spare {
+            sleep: spare.sleep_until(deadline),
+        },
+        None => Deadline::Own {
+            sleep: tokio::time::sleep_until(deadline),
+        },
     };
-    let mut fut = std::pin::pin!(fut);
-    let mut sleep = spare.sleep_until(Instant::now() + duration);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+    Timeout { fut, sleep }
+}
+
+pin_project_lite::pin_project! {
+    /// The future [`timeout`] returns.
+    pub struct Timeout<F> {
+        #[pin]
+        fut: F,
+        #[pin]
+        sleep: Deadline,
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A [`Timeout`]'s sleep: a connection's reused one, or one of its own.
+    #[project = DeadlineProj]
+    enum Deadline {
+        Spare { sleep: Recycled },
+        Own { #[pin] sleep: Sleep },
+    }
+}
+
+impl<F: Future> Future for Timeout<F> {
+    type Output = Result<F::Output, Elapsed>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Ok(out));
         }
-        Pin::new(&mut sleep).poll(cx).map(|()| Err(Elapsed))
-    })
-    .await
+        let elapsed = match this.sleep.project() {
+            DeadlineProj::Spare { sleep } => Pin::new(sleep).poll(cx),
+            DeadlineProj::Own { sleep } => sleep.poll(cx),
+        };
+        elapsed.map(|()| Err(Elapsed))
+    }
 }
 
 #[cfg(test)]

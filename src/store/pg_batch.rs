@@ -189,7 +189,8 @@ async fn dispatch<T: Item>(
                     if batch.is_empty() {
                         drop(obj);
                     } else {
-                        T::run(db, obj, batch).await;
+                        // Boxed: the spawned future is then the connection's wait alone.
+                        Box::pin(T::run(db, obj, batch)).await;
                     }
                 }
                 Err(e) => fail_all(batch, &e),
