@@ -220,6 +220,35 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_secs(4));
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_timeout_without_a_spare_ends_a_slow_future_at_its_bound_and_passes_a_fast_one() {
+        let started = Instant::now();
+        let slow = timeout(
+            None,
+            Duration::from_secs(2),
+            tokio::time::sleep(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(slow.is_err());
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        let fast = timeout(None, Duration::from_secs(10), async { 7 }).await;
+        assert_eq!(fast.unwrap(), 7);
+    }
+
+    #[tokio::test]
+    async fn a_timeout_holds_its_future_once() {
+        // What `timeout` is for (see its docs): the future it bounds is stored once, beside
+        // a sleep, not twice as an `async fn`'s argument and pinned copy would be.
+        let big = async {
+            let buf = [0u8; 4096];
+            tokio::task::yield_now().await;
+            buf.len()
+        };
+        let bounded = timeout(None, Duration::from_secs(1), big);
+        let (inner, outer) = (4096 + 8, std::mem::size_of_val(&bounded));
+        assert!(outer < 2 * inner, "{outer} bytes for a {inner}-byte future");
+    }
+
     fn futures_poll(fut: &mut Recycled) -> Poll<()> {
         let waker = std::task::Waker::noop();
         Pin::new(fut).poll(&mut Context::from_waker(waker))
