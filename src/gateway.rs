@@ -537,7 +537,6 @@ impl Gateway {
                         .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
                 });
                 let admission = self.admit(upstream, Some(reserve))?;
-                let client = client.clone();
                 self.keyed(routing, route, idem, upstream, req, client, log, admission)
                     .await
             }
@@ -583,7 +582,7 @@ impl Gateway {
         idem: &Idempotency,
         upstream: &UpstreamClient,
         req: Request<Incoming>,
-        client: ClientInfo,
+        client: &ClientInfo,
         log: &mut RequestLog,
         mut admission: Admission,
     ) -> Result<Response<Body>, GatewayError> {
@@ -616,7 +615,7 @@ impl Gateway {
             Ok(Some(keyed)) => keyed,
             Ok(None) => {
                 // No key and none required: a plain forward.
-                let out = upstream.prepare(parts, full(body), &client, None);
+                let out = upstream.prepare(parts, full(body), client, None);
                 let timer = Some(&client.upstream_timer);
                 return Box::pin(proxy(upstream, out, log, admission, timer)).await;
             }
@@ -659,7 +658,7 @@ impl Gateway {
             route: route.name.clone(),
             parts,
             body,
-            client,
+            client: client.clone(),
             scope,
             key,
             id,
@@ -938,13 +937,13 @@ async fn forward_unkeyed(
     upstream: &UpstreamClient,
     parts: http::request::Parts,
     body: Body,
-    client: ClientInfo,
+    client: &ClientInfo,
     log: &mut RequestLog,
     admission: Admission,
     why: GatewayError,
 ) -> Result<Response<Body>, GatewayError> {
     tracing::info!(route = %route.name, would = why.outcome(), reason = %why, "observe: enforcing would refuse this request; forwarded without idempotency");
-    let out = upstream.prepare(parts, body, &client, None);
+    let out = upstream.prepare(parts, body, client, None);
     let resp = proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await?;
     log.outcome = why.outcome();
     Ok(resp)

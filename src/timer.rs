@@ -97,50 +97,64 @@ pub struct Elapsed;
 /// `fut`, or `Err(Elapsed)` when `duration` passes first (as `tokio::time::timeout`), timed
 /// by `spare`'s sleep when one is given.
 ///
+/// The deadline is taken now; the sleep is set only when `fut` first finds itself waiting, so
+/// a future that is ready at once (a request body that came with its head) costs no timer.
+///
 /// A future of its own rather than an `async fn`: an `async fn` keeps its argument and the
 /// pinned copy it polls both in its state, so every future that awaits this one would carry
 /// `fut` twice, and every request's future is moved into place whole (hyper, `tokio::spawn`).
-pub fn timeout<F: Future>(spare: Option<&Spare>, duration: Duration, fut: F) -> Timeout<F> {
-    let deadline = Instant::now() + duration;
-    let sleep = match spare {
-        Some(spare) => Deadline::Spare {
-            sleep: spare.sleep_until(deadline),
-        },
-        None => Deadline::Own {
-            sleep: tokio::time::sleep_until(deadline),
-        },
-    };
-    Timeout { fut, sleep }
+pub fn timeout<F: Future>(spare: Option<&Spare>, duration: Duration, fut: F) -> Timeout<'_, F> {
+    Timeout {
+        fut,
+        deadline: Instant::now() + duration,
+        spare,
+        sleep: Deadline::Unset,
+    }
 }
 
 pin_project_lite::pin_project! {
     /// The future [`timeout`] returns.
-    pub struct Timeout<F> {
+    pub struct Timeout<'a, F> {
         #[pin]
         fut: F,
+        deadline: Instant,
+        spare: Option<&'a Spare>,
         #[pin]
         sleep: Deadline,
     }
 }
 
 pin_project_lite::pin_project! {
-    /// A [`Timeout`]'s sleep: a connection's reused one, or one of its own.
+    /// A [`Timeout`]'s sleep: none yet, a connection's reused one, or one of its own.
     #[project = DeadlineProj]
     enum Deadline {
+        Unset,
         Spare { sleep: Recycled },
         Own { #[pin] sleep: Sleep },
     }
 }
 
-impl<F: Future> Future for Timeout<F> {
+impl<F: Future> Future for Timeout<'_, F> {
     type Output = Result<F::Output, Elapsed>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
+        let mut this = self.project();
         if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Ok(out));
         }
+        if let Deadline::Unset = *this.sleep {
+            this.sleep.set(match this.spare {
+                Some(spare) => Deadline::Spare {
+                    sleep: spare.sleep_until(*this.deadline),
+                },
+                None => Deadline::Own {
+                    sleep: tokio::time::sleep_until(*this.deadline),
+                },
+            });
+        }
         let elapsed = match this.sleep.project() {
+            // Set just above.
+            DeadlineProj::Unset => Poll::Pending,
             DeadlineProj::Spare { sleep } => Pin::new(sleep).poll(cx),
             DeadlineProj::Own { sleep } => sleep.poll(cx),
         };
@@ -247,6 +261,25 @@ mod tests {
         let bounded = timeout(None, Duration::from_secs(1), big);
         let (inner, outer) = (4096 + 8, std::mem::size_of_val(&bounded));
         assert!(outer < 2 * inner, "{outer} bytes for a {inner}-byte future");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_future_ready_at_once_sets_no_sleep_and_a_waiting_one_sets_it_once() {
+        let spare = Spare::default();
+        let ready = timeout(Some(&spare), Duration::from_secs(1), async { 7 }).await;
+        assert_eq!(ready.unwrap(), 7);
+        assert!(spare.0.lock().unwrap().is_none(), "no sleep was made");
+        // One that waits sets the sleep, which goes back to the spare when it is done.
+        let started = Instant::now();
+        let waited = timeout(
+            Some(&spare),
+            Duration::from_secs(3),
+            tokio::time::sleep(Duration::from_secs(60)),
+        )
+        .await;
+        assert!(waited.is_err());
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        assert!(spare.0.lock().unwrap().is_some(), "the sleep went back");
     }
 
     fn futures_poll(fut: &mut Recycled) -> Poll<()> {
