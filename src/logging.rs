@@ -9,14 +9,14 @@
 //!
 //! ANSI colours only when stderr is a terminal.
 //!
-//! The access line, one per request, does not go through `tracing`'s formatter: once
-//! [`init`] has installed the subscriber, [`Event`] writes it straight into its thread's buffer in the
-//! same text or JSON layout `tracing-subscriber` gives every other line (a unit test compares
-//! the two byte for byte), at a fraction of the cost (no field visitor, no `Debug` of each
-//! value, no calendar arithmetic through `fmt`; a line buffer kept per thread, the date and
-//! time of day worked out once per second, numbers written two digits at a time). The subscriber's filter still decides
-//! whether the line is written (`RUST_LOG`); under any other subscriber (a library user, a
-//! test) the line is an ordinary `tracing` event.
+//! The access line, one per request, does not go through `tracing`'s formatter: once [`init`] has
+//! installed the subscriber, [`Event`] writes it straight into its thread's buffer in the same text
+//! or JSON layout `tracing-subscriber` gives every other line (a unit test compares the two byte
+//! for byte), at a fraction of the cost (no field visitor, no `Debug` of each value, no calendar
+//! arithmetic through `fmt`; a line buffer kept per thread, the date and time of day worked out
+//! once per second, numbers written two digits at a time). The subscriber's filter still decides
+//! whether the line is written (`RUST_LOG`); under any other subscriber (a library user, a test)
+//! the line is an ordinary `tracing` event.
 
 use std::io::{IsTerminal, Write};
 use std::sync::{Mutex, OnceLock};

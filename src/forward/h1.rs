@@ -26,10 +26,10 @@
 //!   do not linger).
 //!
 //! The idle connections are kept in `shard::SHARDS` lists (each keeping at most `MAX_IDLE /
-//! SHARDS`), each thread giving back to and taking from its own first: a connection mostly
-//! stays with the runtime worker that used it last, with its buffers and state in that core's
-//! cache, as an nginx worker keeps its own keep-alive pool. A thread whose list is empty takes from the others before it connects,
-//! so sharding opens no more connections than one list would.
+//! SHARDS`), each thread giving back to and taking from its own first: a connection mostly stays
+//! with the runtime worker that used it last, with its buffers and state in that core's cache, as
+//! an nginx worker keeps its own keep-alive pool. A thread whose list is empty takes from the
+//! others before it connects, so sharding opens no more connections than one list would.
 
 use std::future::Future;
 use std::pin::Pin;
