@@ -42,6 +42,15 @@ LUA
 
 NGINX_MASTERS=()
 
+# The gateways a script started (their pids), for stop_gateways.
+GATEWAYS=()
+
+# Stops the gateways in GATEWAYS (call it from the script's cleanup).
+stop_gateways() {
+  local p
+  for p in "${GATEWAYS[@]}"; do kill "$p" 2>/dev/null || true; done
+}
+
 # Starts an nginx named $1 (its files under $WORK/$1) serving the server blocks $2.
 start_nginx() { # name servers
   local user_line=""

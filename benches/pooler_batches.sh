@@ -33,13 +33,12 @@ done
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT, PM), start_pgbouncer (sets BPORT,
 # BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx,
-# wait_answering, gateway_routes, new_keys_lua and BODY: benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, gateway_routes, new_keys_lua and BODY:
+# benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-GATEWAYS=()
 cleanup() {
-  local p
-  for p in "${GATEWAYS[@]}"; do kill "$p" 2>/dev/null || true; done
+  stop_gateways
   stop_nginx
   stop_pgbouncer
   wait 2>/dev/null || true
