@@ -212,24 +212,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_timeout_on_the_spare_ends_a_slow_future_and_passes_a_fast_one() {
         let spare = Spare::default();
-        let slow = timeout(
-            Some(&spare),
-            Duration::from_secs(1),
-            tokio::time::sleep(Duration::from_secs(60)),
-        )
-        .await;
+        let slow = sleep_bounded(Some(&spare), 1, 60).await;
         assert!(slow.is_err());
         let fast = timeout(Some(&spare), Duration::from_secs(10), async { 7 }).await;
         assert_eq!(fast.unwrap(), 7);
-        // The sleep of the first, reused for the second, was moved later: a third that
-        // needs its whole bound gets it.
+        // The first one's sleep, back in the spare (the second, ready at once, set none), is
+        // moved later for the third, which needs its whole bound and gets it.
         let started = Instant::now();
-        let third = timeout(
-            Some(&spare),
-            Duration::from_secs(5),
-            tokio::time::sleep(Duration::from_secs(4)),
-        )
-        .await;
+        let third = sleep_bounded(Some(&spare), 5, 4).await;
         assert!(third.is_ok());
         assert!(started.elapsed() >= Duration::from_secs(4));
     }
@@ -237,12 +227,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_timeout_without_a_spare_ends_a_slow_future_at_its_bound_and_passes_a_fast_one() {
         let started = Instant::now();
-        let slow = timeout(
-            None,
-            Duration::from_secs(2),
-            tokio::time::sleep(Duration::from_secs(60)),
-        )
-        .await;
+        let slow = sleep_bounded(None, 2, 60).await;
         assert!(slow.is_err());
         assert_eq!(started.elapsed(), Duration::from_secs(2));
         let fast = timeout(None, Duration::from_secs(10), async { 7 }).await;
@@ -271,15 +256,16 @@ mod tests {
         assert!(spare.0.lock().unwrap().is_none(), "no sleep was made");
         // One that waits sets the sleep, which goes back to the spare when it is done.
         let started = Instant::now();
-        let waited = timeout(
-            Some(&spare),
-            Duration::from_secs(3),
-            tokio::time::sleep(Duration::from_secs(60)),
-        )
-        .await;
+        let waited = sleep_bounded(Some(&spare), 3, 60).await;
         assert!(waited.is_err());
         assert_eq!(started.elapsed(), Duration::from_secs(3));
         assert!(spare.0.lock().unwrap().is_some(), "the sleep went back");
+    }
+
+    /// A timeout of `bound` seconds around a sleep of `takes` seconds.
+    async fn sleep_bounded(spare: Option<&Spare>, bound: u64, takes: u64) -> Result<(), Elapsed> {
+        let sleep = tokio::time::sleep(Duration::from_secs(takes));
+        timeout(spare, Duration::from_secs(bound), sleep).await
     }
 
     fn futures_poll(fut: &mut Recycled) -> Poll<()> {
