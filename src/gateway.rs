@@ -557,9 +557,7 @@ impl Gateway {
                 };
                 let mut out = upstream.prepare(parts, body, client, None);
                 match upgrade {
-                    None => {
-                        proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await
-                    }
+                    None => proxy(upstream, out, log, admission, Some(&client.timer)).await,
                     Some((protocols, on_client)) => {
                         crate::tunnel::ask(&mut out, protocols);
                         let hold = (admission, connection);
@@ -590,7 +588,7 @@ impl Gateway {
         let (parts, body) = req.into_parts();
         let limit = routing.config.server.body_read_timeout;
         let body = crate::timer::timeout(
-            Some(&client.body_timer),
+            Some(&client.timer),
             limit,
             read_body(&parts.headers, body, idem.max_request_body),
         )
@@ -616,7 +614,7 @@ impl Gateway {
             Ok(None) => {
                 // No key and none required: a plain forward.
                 let out = upstream.prepare(parts, full(body), client, None);
-                let timer = Some(&client.upstream_timer);
+                let timer = Some(&client.timer);
                 return Box::pin(proxy(upstream, out, log, admission, timer)).await;
             }
             Err(e) if observe => {
@@ -944,7 +942,7 @@ async fn forward_unkeyed(
 ) -> Result<Response<Body>, GatewayError> {
     tracing::info!(route = %route.name, would = why.outcome(), reason = %why, "observe: enforcing would refuse this request; forwarded without idempotency");
     let out = upstream.prepare(parts, body, client, None);
-    let resp = proxy(upstream, out, log, admission, Some(&client.upstream_timer)).await?;
+    let resp = proxy(upstream, out, log, admission, Some(&client.timer)).await?;
     log.outcome = why.outcome();
     Ok(resp)
 }

@@ -246,10 +246,10 @@ impl tower_service::Service<Uri> for Pinned {
 pub struct ClientInfo {
     pub addr: SocketAddr,
     pub tls: bool,
-    /// The connection's sleeps for its requests' upstream exchanges and body reads, reused
-    /// from one request to the next (`timer.rs`).
-    pub(crate) upstream_timer: crate::timer::Spare,
-    pub(crate) body_timer: crate::timer::Spare,
+    /// The connection's sleep for its requests' body reads and upstream exchanges, reused
+    /// from one to the next (`timer.rs`): a request reads its body before it forwards, so on
+    /// HTTP/1 one sleep serves both; requests at once (h2) get more from the spare.
+    pub(crate) timer: crate::timer::Spare,
     /// The client's IP as a header value, made once per connection, not per request.
     ip: HeaderValue,
     /// `for=<ip>;proto=<scheme>` of this connection's `Forwarded` element, made once.
@@ -270,8 +270,7 @@ impl ClientInfo {
         ClientInfo {
             addr,
             tls,
-            upstream_timer: crate::timer::Spare::default(),
-            body_timer: crate::timer::Spare::default(),
+            timer: crate::timer::Spare::default(),
             ip,
             forwarded,
         }
