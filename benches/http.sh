@@ -153,6 +153,18 @@ wait_answering() { # port path log...
   return 1
 }
 
+# The settings of a benchmark gateway's PostgreSQL store after its `url` (indented under
+# `store: postgres:`): the shared perf harness's pool of 32, bounded waits, no TLS.
+gateway_store_settings() {
+  cat <<'YAML'
+    pool_size: 32
+    acquire_timeout: 500ms
+    connect_timeout: 2s
+    statement_timeout: 2s
+    tls: { mode: disable }
+YAML
+}
+
 # The gateway configuration's `upstreams` and `routes` for an upstream on port $1: the shared
 # perf harness's two routes, `pay` (`POST /pay`, key from Idempotency-Key, scope from
 # X-Account-Id) and `plain` (`/plain/`, no idempotency).

@@ -27,7 +27,7 @@ done
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT), stop_cluster, ticks and own_ticks:
 # benches/cluster.sh. start_upstream, stop_nginx, GATEWAYS and stop_gateways, wait_answering,
-# gateway_routes, new_keys_lua and BODY: benches/http.sh.
+# gateway_store_settings, gateway_routes, new_keys_lua and BODY: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 cleanup() {
@@ -54,11 +54,7 @@ admin: { listen: "127.0.0.1:${ADMIN[$n]}" }
 store:
   postgres:
     url: postgres://postgres@127.0.0.1:$PORT/keys_${n,,}
-    pool_size: 32
-    acquire_timeout: 500ms
-    connect_timeout: 2s
-    statement_timeout: 2s
-    tls: { mode: disable }
+$(gateway_store_settings)
 $(gateway_routes "$UP")
 YAML
   "${BIN[$n]}" migrate --config "$WORK/$n.yaml" >/dev/null

@@ -33,8 +33,8 @@ done
 
 # WORK, HZ, psql_q, free_port, start_cluster (sets PORT, PM), start_pgbouncer (sets BPORT,
 # BPID), their stops, ticks and own_ticks: benches/cluster.sh. start_upstream, stop_nginx,
-# GATEWAYS and stop_gateways, wait_answering, gateway_routes, new_keys_lua and BODY:
-# benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, gateway_store_settings, gateway_routes,
+# new_keys_lua and BODY: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 cleanup() {
@@ -66,11 +66,7 @@ store:
   postgres:
 $2
     batch_keys: $3
-    pool_size: 32
-    acquire_timeout: 500ms
-    connect_timeout: 2s
-    statement_timeout: 2s
-    tls: { mode: disable }
+$(gateway_store_settings)
 $(gateway_routes "$UP")
 YAML
 }
