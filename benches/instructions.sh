@@ -17,6 +17,11 @@
 # Under valgrind SHA-256 runs in its portable code (valgrind does not emulate the CPU's SHA
 # instructions), so a replay's three hashes count several times what they cost natively: compare
 # replays between builds, not against the plain hop. Needs valgrind, wrk, nginx, python3.
+#
+# A binary named `hyper_floor` (`cargo build --release --example hyper_floor`) is counted as
+# the floor under any hyper-based proxy, in the plain scenario only (it has no keyed route):
+#
+#   benches/instructions.sh target/release/idemgate target/release/examples/hyper_floor
 set -euo pipefail
 
 DUR=${DUR:-10}
@@ -74,8 +79,9 @@ store:
 $(gateway_routes "$UP")
 YAML
   out=$WORK/callgrind-$RUN
-  valgrind --tool=callgrind --callgrind-out-file="$out.%p" \
-    "$1" serve --config "$WORK/gateway-$RUN.yaml" >"$WORK/gateway-$RUN.log" 2>&1 &
+  local -a cmd=("$1" serve --config "$WORK/gateway-$RUN.yaml")
+  [[ $(basename "$1") != hyper_floor ]] || cmd=("$1" "127.0.0.1:$port" "127.0.0.1:$UP")
+  valgrind --tool=callgrind --callgrind-out-file="$out.%p" "${cmd[@]}" >"$WORK/gateway-$RUN.log" 2>&1 &
   GW_PID=$!
   for _ in $(seq 600); do
     curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" && break
@@ -98,6 +104,7 @@ echo "| binary | scenario | requests | instructions per request |"
 echo "|---|---|---:|---:|"
 for bin in "${BINS[@]}"; do
   for scenario in plain replay; do
+    [[ $scenario == plain || $(basename "$bin") != hyper_floor ]] || continue
     count "$bin" "$scenario"
     echo "| $bin | $scenario | $N | $((TOTAL / N)) |"
   done
