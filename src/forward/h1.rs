@@ -13,8 +13,11 @@
 //!
 //! Invariants:
 //! - A connection is idle (in the pool) only between exchanges: after its response body was
-//!   read to its end and the connection stayed open. A body dropped before its end (a client
-//!   that hung up) drops its connection; it is never reused mid-message.
+//!   read to its end, its request was written to its end, and the connection stayed open. A
+//!   body dropped before its end (a client that hung up) drops its connection, and so does an
+//!   answer that came before the whole request body was sent (the rest would wait in a
+//!   connection nobody polls, and the client's upload with it): it is never reused
+//!   mid-message.
 //! - An idle connection is polled once when taken: one the upstream closed (or sent anything
 //!   unasked on) is dropped, never used.
 //! - A request that could not be written on a taken connection (it closed in between) is sent
@@ -406,8 +409,11 @@ impl hyper::body::Body for Driven {
 
 impl Drop for Driven {
     fn drop(&mut self) {
+        // `is_ready`: hyper asks for the next request only once the request before it was
+        // written to its end too.
         if self.ended
             && let Some((tx, conn)) = self.conn.take()
+            && tx.is_ready()
             && let Some(pool) = self.pool.upgrade()
         {
             pool.give_back(tx, conn);

@@ -1,7 +1,8 @@
 //! Plain and keyed forwards to an `http://` HTTP/1.1 upstream over the gateway's own
 //! connection pool (`forward/h1.rs`): connections are reused, one the upstream closed is never
 //! used (a new one is made, the request runs once), one whose response body was not read to its
-//! end is never reused, and `Connection: close` is honoured. The upstream is a raw TCP server
+//! end is never reused, nor one answered before its request body was all sent, and
+//! `Connection: close` is honoured. The upstream is a raw TCP server
 //! that counts the connections it accepted and the requests it answered, and keeps the `Host`
 //! each request named.
 
@@ -27,6 +28,9 @@ enum Ending {
     ConnectionClose,
     /// A 1 MiB body written slowly, then keep the connection open.
     SlowBigBody,
+    /// Answer once the request head is read, before its body; then read (and discard) until
+    /// the gateway closes the connection.
+    EarlyAnswer,
 }
 
 struct RawUpstream {
@@ -74,6 +78,19 @@ impl RawUpstream {
                             .lines()
                             .find_map(|l| l.strip_prefix("content-length:"))
                             .map_or(0, |v| v.trim().parse().unwrap());
+                        if ending == Ending::EarlyAnswer {
+                            let n = ans.fetch_add(1, Ordering::SeqCst) + 1;
+                            let body = format!("{{\"execution\":{n}}}");
+                            let resp = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            );
+                            if conn.write_all(resp.as_bytes()).await.is_ok() {
+                                while let Ok(1..) = conn.read(&mut chunk).await {}
+                            }
+                            cl.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
                         while buf.len() < end + length {
                             match conn.read(&mut chunk).await {
                                 Ok(0) | Err(_) => return,
@@ -299,6 +316,56 @@ async fn a_connection_whose_body_was_not_read_to_its_end_is_never_reused() {
     assert_eq!(r.status, 200);
     assert_eq!(r.body.len(), 1 << 20, "the whole body");
     assert_eq!((up.answered(), up.connections()), (2, 2));
+}
+
+#[tokio::test]
+async fn a_connection_answered_before_its_request_body_was_all_sent_is_never_reused() {
+    let up = RawUpstream::start(Ending::EarlyAnswer).await;
+    let gw = plain_gateway(&up).await;
+    // A client that announces 1 MiB, sends 64 KiB of it and waits; the upstream answers
+    // before it has the rest.
+    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    raw.write_all(b"POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n")
+        .await
+        .unwrap();
+    raw.write_all(&vec![b'x'; 64 * 1024]).await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !got.ends_with(b"{\"execution\":1}") {
+        let n = raw.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "the answer: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&chunk[..n]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    // The rest of the body has nowhere to go: the gateway closes the client's connection.
+    // Parked in the pool half-written, the upstream connection would hold it open, the upload
+    // waiting on a connection nobody polls, until the pool's reaper came by (30 s).
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Ok(1..) = raw.read(&mut chunk).await {}
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the client's connection was left waiting after its answer"
+    );
+    wait_until(
+        "the gateway closed the half-written upstream connection",
+        Duration::from_secs(10),
+        || async { up.closed() == 1 },
+    )
+    .await;
+    let r = get(&client(), &gw, "/next").await;
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(r.json()["execution"], 2);
+    assert_eq!(
+        (up.answered(), up.connections()),
+        (2, 2),
+        "a new connection"
+    );
 }
 
 #[tokio::test]
