@@ -5,8 +5,10 @@
 //! when dropped (under it again). A plain request made two of them: hyper's header read
 //! timeout and the upstream exchange's timeout. A sleep moved to a later deadline while it is
 //! still registered costs one compare-and-swap instead: the wheel finds the later deadline when
-//! the earlier one comes and files the entry again. [`Spare`] keeps a connection's sleep
-//! between requests for that, and is hyper's timer for the connection's request heads.
+//! the earlier one comes and files the entry again. [`Spare`] keeps a sleep between requests
+//! for that. A client connection has two: one is hyper's timer for its request heads (hyper may
+//! hold that sleep while a request runs, `server.rs`), the other times its body reads and
+//! upstream exchanges (`ClientInfo::timer`).
 //!
 //! Invariants: a sleep has one user at a time (it is taken out of the spare while in use; a
 //! second user at the same time, as on an h2 connection, gets a new one, and the spare keeps
@@ -169,14 +171,18 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_reused_sleep_fires_at_its_new_deadline_not_its_old_one() {
         let spare = Spare::default();
-        let first = spare.sleep_until(Instant::now() + Duration::from_secs(10));
+        let mut first = spare.sleep_until(Instant::now() + Duration::from_secs(10));
+        // Registered with the wheel by a poll, then given back.
+        assert!(futures_poll(&mut first).is_pending());
         drop(first);
-        // The same sleep, moved later while it is still registered for the earlier deadline.
+        assert!(spare.0.lock().unwrap().is_some(), "given back");
+        // The same sleep, moved later while it is still registered for the earlier deadline
+        // (the path every request after a connection's first takes).
         let started = Instant::now();
-        spare
-            .sleep_until(Instant::now() + Duration::from_secs(30))
-            .await;
-        assert!(started.elapsed() >= Duration::from_secs(30));
+        let second = spare.sleep_until(Instant::now() + Duration::from_secs(30));
+        assert!(spare.0.lock().unwrap().is_none(), "the spare one was taken");
+        second.await;
+        assert_eq!(started.elapsed(), Duration::from_secs(30));
     }
 
     #[tokio::test(start_paused = true)]
@@ -200,13 +206,31 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn two_users_at_once_get_two_sleeps() {
         let spare = Spare::default();
+        drop(spare.sleep_until(Instant::now()));
         let a = spare.sleep_until(Instant::now() + Duration::from_secs(1));
         let b = spare.sleep_until(Instant::now() + Duration::from_secs(2));
         let started = Instant::now();
+        // Each fires at its own deadline: one sleep shared and moved to the later deadline
+        // would end `a` at 2 s.
         a.await;
-        assert!(started.elapsed() >= Duration::from_secs(1));
+        assert_eq!(started.elapsed(), Duration::from_secs(1));
+        assert!(spare.0.lock().unwrap().is_some(), "a's sleep went back");
         b.await;
-        assert!(started.elapsed() >= Duration::from_secs(2));
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert!(spare.0.lock().unwrap().is_some(), "the spare keeps one");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hypers_header_timer_sleeps_on_the_spare() {
+        let spare = Spare::default();
+        let started = Instant::now();
+        hyper::rt::Timer::sleep(&spare, Duration::from_secs(2)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(2));
+        assert!(spare.0.lock().unwrap().is_some(), "the sleep went back");
+        let deadline = hyper::rt::Timer::now(&spare) + Duration::from_secs(3);
+        hyper::rt::Timer::sleep_until(&spare, deadline).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(5));
+        assert!(spare.0.lock().unwrap().is_some(), "and again");
     }
 
     #[tokio::test(start_paused = true)]
@@ -254,11 +278,30 @@ mod tests {
         let ready = timeout(Some(&spare), Duration::from_secs(1), async { 7 }).await;
         assert_eq!(ready.unwrap(), 7);
         assert!(spare.0.lock().unwrap().is_none(), "no sleep was made");
-        // One that waits sets the sleep, which goes back to the spare when it is done.
+        // One that waits takes the sleep at its first wait and keeps it through the next ones:
+        // set again at each, it would take another and give the first back to the spare.
+        drop(spare.sleep_until(Instant::now()));
+        let waits = async {
+            for _ in 0..3 {
+                tokio::task::yield_now().await;
+            }
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        };
+        let mut bounded = Box::pin(timeout(Some(&spare), Duration::from_secs(3), waits));
+        let waker = std::task::Waker::noop();
+        for _ in 0..4 {
+            assert!(
+                bounded
+                    .as_mut()
+                    .poll(&mut Context::from_waker(waker))
+                    .is_pending()
+            );
+            assert!(spare.0.lock().unwrap().is_none(), "one sleep, taken once");
+        }
         let started = Instant::now();
-        let waited = sleep_bounded(Some(&spare), 3, 60).await;
-        assert!(waited.is_err());
+        assert!(bounded.as_mut().await.is_err());
         assert_eq!(started.elapsed(), Duration::from_secs(3));
+        drop(bounded);
         assert!(spare.0.lock().unwrap().is_some(), "the sleep went back");
     }
 
