@@ -141,9 +141,14 @@ impl<F: Future> Future for Timeout<'_, F> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        let had_budget = tokio::task::coop::has_budget_remaining();
         if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Ok(out));
         }
+        // As `tokio::time::timeout`: a future that used up the task's budget would have the
+        // sleep answer Pending for that reason alone, and one that always did so would never
+        // time out. Its sleep is then polled outside the budget.
+        let outside = had_budget && !tokio::task::coop::has_budget_remaining();
         if let Deadline::Unset = *this.sleep {
             this.sleep.set(match this.spare {
                 Some(spare) => Deadline::Spare {
@@ -157,10 +162,23 @@ impl<F: Future> Future for Timeout<'_, F> {
         let elapsed = match this.sleep.project() {
             // Set just above.
             DeadlineProj::Unset => Poll::Pending,
-            DeadlineProj::Spare { sleep } => Pin::new(sleep).poll(cx),
-            DeadlineProj::Own { sleep } => sleep.poll(cx),
+            DeadlineProj::Spare { sleep } => poll_sleep(Pin::new(sleep), outside, cx),
+            DeadlineProj::Own { sleep } => poll_sleep(sleep, outside, cx),
         };
         elapsed.map(|()| Err(Elapsed))
+    }
+}
+
+/// Polls `sleep`, outside the task's budget when `outside`.
+fn poll_sleep<S: Future<Output = ()>>(
+    sleep: Pin<&mut S>,
+    outside: bool,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    if outside {
+        Pin::new(&mut tokio::task::coop::unconstrained(sleep)).poll(cx)
+    } else {
+        sleep.poll(cx)
     }
 }
 
@@ -303,6 +321,27 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(3));
         drop(bounded);
         assert!(spare.0.lock().unwrap().is_some(), "the sleep went back");
+    }
+
+    #[tokio::test]
+    async fn a_future_that_uses_up_the_tasks_budget_still_times_out() {
+        // Each poll of `busy` spends the task's whole budget: a sleep polled within it after
+        // that answers Pending whatever the time. The outer bound is tokio's own timeout, which
+        // handles this, so that a failure ends instead of hanging.
+        for spare in [None, Some(Spare::default())] {
+            let busy = async {
+                loop {
+                    tokio::task::coop::consume_budget().await;
+                }
+            };
+            let bounded = timeout(spare.as_ref(), Duration::from_millis(20), busy);
+            let ended = tokio::time::timeout(Duration::from_secs(10), bounded).await;
+            assert!(
+                matches!(ended, Ok(Err(Elapsed))),
+                "the bound never fired (spare: {})",
+                spare.is_some()
+            );
+        }
     }
 
     /// A timeout of `bound` seconds around a sleep of `takes` seconds.
