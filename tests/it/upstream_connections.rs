@@ -211,6 +211,29 @@ routes:
     TestGateway::start(&yaml, &db).await
 }
 
+/// A client connection of its own to `gw` that has sent `request` (bytes as they go on the
+/// wire) and read until `enough` says what came back is enough; the connection stays open.
+async fn raw_request(
+    gw: &TestGateway,
+    request: &[u8],
+    enough: impl Fn(&[u8]) -> bool,
+) -> (tokio::net::TcpStream, Vec<u8>) {
+    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    raw.write_all(request).await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !enough(&got) {
+        let n = raw.read(&mut chunk).await.unwrap();
+        assert!(
+            n > 0,
+            "the gateway answered: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&chunk[..n]);
+    }
+    (raw, got)
+}
+
 async fn pay(c: &TestClient, gw: &TestGateway, key: &str) -> Reply {
     send(
         c,
@@ -287,21 +310,10 @@ async fn a_connection_whose_body_was_not_read_to_its_end_is_never_reused() {
     let up = RawUpstream::start(Ending::SlowBigBody).await;
     let gw = plain_gateway(&up).await;
     // A client that reads the head and a little of the body, then hangs up.
-    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    raw.write_all(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !got.windows(4).any(|w| w == b"\r\n\r\n") || got.len() < 20_000 {
-        let n = raw.read(&mut chunk).await.unwrap();
-        assert!(
-            n > 0,
-            "the gateway answered: {}",
-            String::from_utf8_lossy(&got)
-        );
-        got.extend_from_slice(&chunk[..n]);
-    }
+    let (raw, got) = raw_request(&gw, b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n", |got| {
+        got.windows(4).any(|w| w == b"\r\n\r\n") && got.len() >= 20_000
+    })
+    .await;
     assert!(got.starts_with(b"HTTP/1.1 200"));
     drop(raw);
     // The half-read connection is closed by the gateway, not kept for the next request.
@@ -324,18 +336,11 @@ async fn a_connection_answered_before_its_request_body_was_all_sent_is_never_reu
     let gw = plain_gateway(&up).await;
     // A client that announces 1 MiB, sends 64 KiB of it and waits; the upstream answers
     // before it has the rest.
-    let mut raw = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    raw.write_all(b"POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n")
-        .await
-        .unwrap();
-    raw.write_all(&vec![b'x'; 64 * 1024]).await.unwrap();
-    let mut got = Vec::new();
-    let mut chunk = [0u8; 4096];
-    while !got.ends_with(b"{\"execution\":1}") {
-        let n = raw.read(&mut chunk).await.unwrap();
-        assert!(n > 0, "the answer: {}", String::from_utf8_lossy(&got));
-        got.extend_from_slice(&chunk[..n]);
-    }
+    let mut request =
+        b"POST /upload HTTP/1.1\r\nhost: x\r\ncontent-length: 1048576\r\n\r\n".to_vec();
+    request.extend_from_slice(&[b'x'; 64 * 1024]);
+    let (mut raw, got) =
+        raw_request(&gw, &request, |got| got.ends_with(b"{\"execution\":1}")).await;
     assert!(
         got.starts_with(b"HTTP/1.1 200"),
         "{}",
@@ -345,6 +350,7 @@ async fn a_connection_answered_before_its_request_body_was_all_sent_is_never_reu
     // Parked in the pool half-written, the upstream connection would hold it open, the upload
     // waiting on a connection nobody polls, until the pool's reaper came by (30 s).
     let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut chunk = [0u8; 4096];
         while let Ok(1..) = raw.read(&mut chunk).await {}
     })
     .await;
