@@ -234,7 +234,14 @@ impl Pool {
         Response::from_parts(parts, body.boxed_unsync())
     }
 
+    /// Keeps a connection whose exchange is over for the next request. One that is not ready
+    /// for it is dropped: hyper asks for the next request (`is_ready`) only once the request
+    /// before it was written to its end too, which an upstream that answered early may not
+    /// have let it do.
     fn give_back(self: &Arc<Pool>, tx: SendRequest<Body>, conn: Conn) {
+        if !tx.is_ready() {
+            return;
+        }
         {
             let mut list = self.idle[crate::shard::own()].0.lock().expect("pool lock");
             if list.len() >= MAX_IDLE / SHARDS {
@@ -409,11 +416,8 @@ impl hyper::body::Body for Driven {
 
 impl Drop for Driven {
     fn drop(&mut self) {
-        // `is_ready`: hyper asks for the next request only once the request before it was
-        // written to its end too.
         if self.ended
             && let Some((tx, conn)) = self.conn.take()
-            && tx.is_ready()
             && let Some(pool) = self.pool.upgrade()
         {
             pool.give_back(tx, conn);

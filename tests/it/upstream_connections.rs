@@ -78,26 +78,13 @@ impl RawUpstream {
                             .lines()
                             .find_map(|l| l.strip_prefix("content-length:"))
                             .map_or(0, |v| v.trim().parse().unwrap());
-                        if ending == Ending::EarlyAnswer {
-                            let n = ans.fetch_add(1, Ordering::SeqCst) + 1;
-                            let body = format!("{{\"execution\":{n}}}");
-                            let resp = format!(
-                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
-                                body.len()
-                            );
-                            if conn.write_all(resp.as_bytes()).await.is_ok() {
-                                while let Ok(1..) = conn.read(&mut chunk).await {}
-                            }
-                            cl.fetch_add(1, Ordering::SeqCst);
-                            return;
-                        }
-                        while buf.len() < end + length {
+                        while ending != Ending::EarlyAnswer && buf.len() < end + length {
                             match conn.read(&mut chunk).await {
                                 Ok(0) | Err(_) => return,
                                 Ok(n) => buf.extend_from_slice(&chunk[..n]),
                             }
                         }
-                        buf.drain(..end + length);
+                        buf.drain(..(end + length).min(buf.len()));
                         if let Some(host) = head.lines().find_map(|l| l.strip_prefix("host:")) {
                             seen.lock().unwrap().push(host.trim().to_string());
                         }
@@ -132,11 +119,18 @@ impl RawUpstream {
                                 conn.write_all(resp.as_bytes()).await.is_ok()
                             }
                         };
+                        if wrote && ending == Ending::EarlyAnswer {
+                            while let Ok(1..) = conn.read(&mut chunk).await {}
+                        }
                         if wrote && ending == Ending::SilentClose {
                             // A keep-alive timeout of 100 ms.
                             tokio::time::sleep(Duration::from_millis(100)).await;
                         }
-                        if !wrote || matches!(ending, Ending::SilentClose | Ending::ConnectionClose)
+                        if !wrote
+                            || matches!(
+                                ending,
+                                Ending::SilentClose | Ending::ConnectionClose | Ending::EarlyAnswer
+                            )
                         {
                             drop(conn);
                             cl.fetch_add(1, Ordering::SeqCst);
