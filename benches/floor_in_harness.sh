@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Puts the floor under any hyper-based proxy (examples/hyper_floor.rs) in the gateway's place
 # in the shared perf harness, so that its plain-hop rows are measured by the benchmark of
-# record itself (BENCHMARKS.md, "Latest: hyper alone in the harness of record"):
+# record itself (BENCHMARKS.md, "hyper alone in the harness of record"):
 #
 #   cargo build --release --example hyper_floor
 #   ../shared/perf/run.sh --bin benches/floor_in_harness.sh \

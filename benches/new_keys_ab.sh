@@ -2,7 +2,7 @@
 # Two gateway builds side by side on new keys: keys/s, the CPU per key of the gateway and of
 # PostgreSQL, and the keys per statement of the group commits (`idemgate_store_batch_keys`),
 # to tell whether a change moved the gateway's own cost or the batches PostgreSQL gets
-# (BENCHMARKS.md, "Latest").
+# (BENCHMARKS.md, "futures moved whole, made smaller").
 #
 #   benches/new_keys_ab.sh BIN_A BIN_B
 #
