@@ -6,6 +6,9 @@
 //! build it once and never run a binary that is being written. A run is nextest's
 //! `NEXTEST_RUN_ID`, or this process under `cargo test`. The README's test command builds it
 //! first, so the build inside a test is the no-op and never counts against a test's time limit.
+//!
+//! `IDEMGATE_TEST_BIN=PATH` runs those tests on another build of the same source instead (the
+//! profile-guided one, `scripts/build-pgo.sh`), and builds nothing.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -19,6 +22,15 @@ pub fn idemgate() -> &'static Path {
 }
 
 fn build() -> PathBuf {
+    if let Some(given) = std::env::var_os("IDEMGATE_TEST_BIN") {
+        let given = PathBuf::from(given);
+        assert!(
+            given.is_file(),
+            "IDEMGATE_TEST_BIN names no file: {}",
+            given.display()
+        );
+        return std::path::absolute(&given).expect("an absolute path for IDEMGATE_TEST_BIN");
+    }
     // target/debug/idemgate -> target/
     let target = Path::new(env!("CARGO_BIN_EXE_idemgate"))
         .parent()
