@@ -101,6 +101,9 @@ train "new keys" -s "$WORK/new_keys.lua" "http://127.0.0.1:$LISTEN" -- trained "
 kill -TERM "$GW"
 wait "$GW" || { echo "build-pgo.sh: the instrumented gateway did not stop cleanly; its log:" >&2; tail -20 "$WORK/gateway.log" >&2; exit 1; }
 GW=""
+# Not needed past the training: stopped now rather than left idle through the optimized build.
+stop_nginx
+stop_cluster
 
 echo "build-pgo.sh: 3/4 merging the profile" >&2
 compgen -G "$PROFILES/*.profraw" >/dev/null || { echo "build-pgo.sh: the gateway wrote no profile" >&2; exit 1; }
