@@ -7,12 +7,18 @@
 //! [`super::postgres`], behind [`Item`].
 //!
 //! Invariants:
-//! - A batch forms only from requests already waiting. A dispatcher task takes the first
-//!   waiting request and a statement slot, and then whatever else is queued at that moment
-//!   (up to `batch_keys`); it never waits for company. The batch's own task then takes a
-//!   pooled connection, so a connection slow to come holds up that batch and its slot, never
-//!   the dispatcher. A lone request goes straight through, so at low load every key has its
-//!   own statement, as without batching.
+//! - A dispatcher task takes the first waiting request and a statement slot, and then
+//!   whatever else is queued at that moment (up to `batch_keys`). When no other statement of
+//!   its kind is running, that is the batch: a lone request goes straight through, so at low
+//!   load every key has its own statement, as without batching. When another one is running,
+//!   the batch keeps gathering until that statement ends, the batch is full, or its first
+//!   request's `acquire_timeout` passes, whichever comes first. Without this, under load the
+//!   free slot took whichever request came first, alone, and everything queued behind it
+//!   went in the other: half the statements carried one key each, each with its own commit
+//!   (BENCHMARKS.md, "A batch gathers while the other runs"). The wait is never longer than
+//!   a statement already in the database takes, which a one-slot queue would wait too. The
+//!   batch's own task then takes a pooled connection, so a connection slow to come holds up
+//!   that batch and its slot, never the dispatcher.
 //! - At most [`STATEMENTS`] statements of each kind run at once. While they run, new requests
 //!   queue, as they would for a pooled connection, and the next statement carries all of
 //!   them: the busier the database, the larger the batches.
@@ -166,11 +172,9 @@ async fn dispatch<T: Item>(
         };
         let mut batch = Vec::with_capacity(batch_keys.min(64));
         batch.push(first);
-        while batch.len() < batch_keys {
-            match queue.try_recv() {
-                Ok(item) => batch.push(item),
-                Err(_) => break,
-            }
+        take_queued(&mut queue, &mut batch, batch_keys);
+        if batch.len() < batch_keys && slots.available_permits() + 1 < STATEMENTS {
+            gather(&mut queue, &mut batch, batch_keys, &slots, deadline).await;
         }
         // The connection is taken in the batch's task: one slow to come (the database
         // restarting) holds up its batch and its slot, never the dispatcher.
@@ -198,4 +202,48 @@ async fn dispatch<T: Item>(
             drop(slot);
         });
     }
+}
+
+/// Moves what is queued now into `batch`, up to `batch_keys`.
+fn take_queued<T: Item>(
+    queue: &mut mpsc::UnboundedReceiver<Waiting<T>>,
+    batch: &mut Vec<Waiting<T>>,
+    batch_keys: usize,
+) {
+    while batch.len() < batch_keys {
+        match queue.try_recv() {
+            Ok(item) => batch.push(item),
+            Err(_) => break,
+        }
+    }
+}
+
+/// While another statement of this kind runs (the caller holds one slot, another is taken),
+/// adds requests to `batch` as they come, until a slot frees (a running statement ended),
+/// the batch is full, or `deadline` (the first request's) passes. See the module docs.
+async fn gather<T: Item>(
+    queue: &mut mpsc::UnboundedReceiver<Waiting<T>>,
+    batch: &mut Vec<Waiting<T>>,
+    batch_keys: usize,
+    slots: &Arc<Semaphore>,
+    deadline: Instant,
+) {
+    let ended = tokio::time::timeout_at(deadline, async {
+        // Resolves when a running statement gives its slot back; the permit is returned at
+        // once (the batch already holds its own).
+        let _ = slots.acquire().await;
+    });
+    tokio::pin!(ended);
+    while batch.len() < batch_keys {
+        tokio::select! {
+            biased;
+            _ = &mut ended => break,
+            item = queue.recv() => match item {
+                Some(item) => batch.push(item),
+                None => break,
+            },
+        }
+    }
+    // Whatever arrived with the statement's end rides along.
+    take_queued(queue, batch, batch_keys);
 }

@@ -17,6 +17,7 @@ backend_tests!(
         new_keys_waiting_together_share_statements_and_keep_their_own_answers,
         keys_that_exist_in_a_batch_are_left_to_the_full_claim,
         a_batched_completion_is_fenced_by_each_keys_own_lease,
+        while_a_statement_runs_the_next_batch_gathers_until_it_ends,
     ]
 );
 
@@ -130,6 +131,67 @@ async fn new_keys_waiting_together_share_statements_and_keep_their_own_answers(b
         assert_eq!(a.body, b.body);
     }
     assert_eq!(up.executions(), N);
+}
+
+/// Under load the free statement slot does not go to whichever request came first, alone:
+/// while another claim statement is in the database, the next batch keeps gathering until
+/// that statement ends, and then carries everyone who came meanwhile.
+async fn while_a_statement_runs_the_next_batch_gathers_until_it_ends(b: Backend) {
+    const N: usize = 20;
+    const BODY: &str = "{\"amount\":1}";
+    let up = Upstream::start().await;
+    let (gw, _file) = gateway(b, &up).await;
+    let db = gw.sql().await;
+    let urls = vec![gw.url("/pay")];
+
+    // The first claim goes alone (nothing else runs) and waits for the lock.
+    let lock = lock_writes(&gw).await;
+    let first = {
+        let urls = urls.clone();
+        let key = vec![("acct-1".to_string(), "first".to_string())];
+        tokio::spawn(async move { at_once(&urls, key, BODY).await })
+    };
+    wait_until(
+        "the first claim waits for the lock",
+        Duration::from_secs(10),
+        || async { lock_waiters(&db).await == 1 },
+    )
+    .await;
+
+    // N more come while it waits: all of them read and holding their bodies...
+    let rest = {
+        let urls = urls.clone();
+        let keys: Vec<(String, String)> = (0..N)
+            .map(|i| (format!("acct-{}", i % 3), format!("k{i}")))
+            .collect();
+        tokio::spawn(async move { at_once(&urls, keys, BODY).await })
+    };
+    let held = ((N + 1) * BODY.len()) as f64;
+    wait_until(
+        "every request holds its body",
+        Duration::from_secs(10),
+        || async {
+            let text = admin_request(&gw, Method::GET, "/metrics", None).await.body;
+            metric(&String::from_utf8_lossy(&text), "idemgate_buffered_bytes ") == held
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // ...and none of them took the free slot alone: still one statement in the database.
+    assert_eq!(lock_waiters(&db).await, 1, "a second statement was sent");
+    lock.batch_execute("COMMIT")
+        .await
+        .expect("releasing the lock");
+
+    let first = first.await.unwrap();
+    let rest = rest.await.unwrap();
+    assert!(
+        first.iter().chain(&rest).all(|r| r.status == 201),
+        "{first:?} {rest:?}"
+    );
+    assert_eq!(up.executions(), N + 1);
+    // Two claim statements: the first key alone, then the N that gathered behind it.
+    assert_eq!(batches(&gw, "claim_new").await, (2.0, (N + 1) as f64));
 }
 
 async fn keys_that_exist_in_a_batch_are_left_to_the_full_claim(b: Backend) {
