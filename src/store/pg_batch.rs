@@ -14,7 +14,7 @@
 //!   the batch keeps gathering until that statement ends, the batch is full, or its first
 //!   request's `acquire_timeout` passes, whichever comes first. Without this, under load the
 //!   free slot took whichever request came first, alone, and everything queued behind it
-//!   went in the other: half the statements carried one key each, each with its own commit
+//!   went in the other: about two statements in three carried one key, each with its own commit
 //!   (BENCHMARKS.md, "A batch gathers while the other runs"). The wait is never longer than
 //!   a statement already in the database takes, which a one-slot queue would wait too. The
 //!   batch's own task then takes a pooled connection, so a connection slow to come holds up
@@ -225,7 +225,7 @@ async fn gather<T: Item>(
     queue: &mut mpsc::UnboundedReceiver<Waiting<T>>,
     batch: &mut Vec<Waiting<T>>,
     batch_keys: usize,
-    slots: &Arc<Semaphore>,
+    slots: &Semaphore,
     deadline: Instant,
 ) {
     let ended = tokio::time::timeout_at(deadline, async {
