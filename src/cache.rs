@@ -15,6 +15,9 @@
 //! - It is bounded by bytes (`replay_cache.max_bytes`); the oldest entries go first.
 //! - A hit requires the same fingerprint; anything else goes to the store, which decides
 //!   (a different fingerprint is a 422 there).
+//! - Only a body without a repeated JSON member name (or not JSON at all) enters it
+//!   (`gateway.rs`, `KeyedWork::run`): a hit skips the repeated-member check, which a raw
+//!   fingerprint equal to the entry's (the same bytes) could not fail.
 //! - A fill is conditional on the cache's epoch ([`ReplayCache::epoch`], read before the
 //!   store read that produced the response), and the check and the insert happen under the
 //!   same lock as every eviction, which bumps the epoch: a delete's eviction that lands

@@ -609,7 +609,7 @@ impl Gateway {
         };
         admission.bytes.resize(body.len());
         log.bytes_in = Some(body.len() as u64);
-        let (KeyScope { key, scope }, fp) = match key_request(route, idem, &parts, &body) {
+        let (KeyScope { key, scope }, fp, settled) = match key_request(route, idem, &parts, &body) {
             Ok(Some(keyed)) => keyed,
             Ok(None) => {
                 // No key and none required: a plain forward.
@@ -633,7 +633,6 @@ impl Gateway {
             Err(e) => return Err(e),
         };
         let id = key_id(&scope, &key);
-        log.key_id = Some(id.clone());
         // Hot replays skip the store (see cache.rs for why a hit is always a committed,
         // unexpired answer to this very request). An observe route never replays.
         let cache = if observe {
@@ -644,9 +643,21 @@ impl Gateway {
         if let Some((cache, _)) = cache
             && let Some(hit) = cache.get(&id, &fp)
         {
+            log.key_id = Some(id);
             log.outcome = outcome::REPLAYED;
             return Ok(hit.to_replay());
         }
+        if let Err(e) = refuse_ambiguous(idem, &parts, &body, settled) {
+            if observe {
+                let body = full(body);
+                return Box::pin(forward_unkeyed(
+                    route, upstream, parts, body, client, log, admission, e,
+                ))
+                .await;
+            }
+            return Err(e);
+        }
+        log.key_id = Some(id.clone());
         // From the claim on, the work runs in its own task: a client that hangs up while the
         // claim is in the database (or while waiting for a duplicate) cannot leave a claimed
         // key without a forward; the forward still happens and its answer is stored.
@@ -849,7 +860,11 @@ impl KeyedWork {
             }
             Claim::Completed(stored, expires_in) => {
                 let replay = stored.to_replay();
-                if let Some(epoch) = cache_epoch {
+                // Only a body without a repeated member (or not JSON) enters the cache: a hit
+                // skips the repeated-member check (`refuse_ambiguous`).
+                if let Some(epoch) = cache_epoch
+                    && crate::key::has_duplicate_member(&body) != Some(true)
+                {
                     gateway.store.wakeups().cache_fill(
                         epoch,
                         id,
@@ -896,13 +911,16 @@ fn key_request(
     idem: &Idempotency,
     parts: &http::request::Parts,
     body: &Bytes,
-) -> Result<Option<(KeyScope, Fingerprint)>, GatewayError> {
+) -> Result<Option<(KeyScope, Fingerprint, bool)>, GatewayError> {
     let mut json = JsonBody::new(body);
     let Some(keyed) = extract(idem, &parts.headers, &mut json)? else {
         return Ok(None);
     };
-    json.refuse_ambiguous(&parts.headers)?;
+    // A raw fingerprint pins the body's bytes, so the repeated-member check can wait for a
+    // replay cache miss (see `refuse_ambiguous`); a canonical one does not, so it runs here.
+    let settled = json.is_parsed();
     let json_value = if idem.fingerprint.json_canonical {
+        json.refuse_ambiguous(&parts.headers)?;
         Some(json.get()?)
     } else {
         None
@@ -922,7 +940,24 @@ fn key_request(
         body,
         json_value,
     )?;
-    Ok(Some((keyed, fp)))
+    Ok(Some((keyed, fp, settled)))
+}
+
+/// The repeated-member check of a keyed request whose key, scope and fingerprint are known
+/// (`settled`: the body was already parsed, which checked it). Run after the replay cache
+/// missed: a hit needs no check, because the cache holds only bodies without a repeated
+/// member or not JSON at all (`KeyedWork::run`), and a raw fingerprint equal to an entry's
+/// means the very same bytes, on which the check cannot fail whatever `Content-Type` says.
+fn refuse_ambiguous(
+    idem: &Idempotency,
+    parts: &http::request::Parts,
+    body: &Bytes,
+    settled: bool,
+) -> Result<(), GatewayError> {
+    if settled || idem.fingerprint.json_canonical {
+        return Ok(());
+    }
+    Ok(JsonBody::new(body).refuse_ambiguous(&parts.headers)?)
 }
 
 /// On an observe route, a request that enforcing would refuse before any claim (`why`: it

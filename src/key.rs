@@ -81,6 +81,11 @@ impl<'a> JsonBody<'a> {
         Ok(())
     }
 
+    /// Whether the body was parsed already, as JSON without a repeated member.
+    pub fn is_parsed(&self) -> bool {
+        matches!(self.parsed, Some(Some(_)))
+    }
+
     /// The parsed body if it was parsed already or parses now.
     pub fn value(&mut self) -> Option<&Value> {
         self.get().ok()

@@ -39,6 +39,61 @@ async fn a_hot_replay_is_served_from_memory_byte_for_byte() {
     assert_eq!(up.executions(), 1);
 }
 
+/// A hit skips the repeated-member check, so a body that repeats a member name never enters
+/// the cache: a JSON retry of one first sent as another type is still refused, after any
+/// number of replays.
+#[tokio::test]
+async fn a_body_that_repeats_a_member_is_never_served_from_memory() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    wakeups_flow(&gw).await;
+    let c = client();
+    let url = gw.url("/pay");
+    let ambiguous = r#"{"amount":1,"amount":1000}"#;
+    let send_as = |content_type: &'static str| {
+        let (c, url) = (&c, &url);
+        async move {
+            let h = [
+                ("idempotency-key", "k"),
+                ("x-account-id", "a"),
+                ("content-type", content_type),
+            ];
+            send(c, http::Method::POST, url, &h, ambiguous.to_string()).await
+        }
+    };
+    // Not said to be JSON: not checked, forwarded once, then replayed from the store.
+    assert_eq!(send_as("text/plain").await.status, 201);
+    for _ in 0..3 {
+        assert!(send_as("text/plain").await.replayed());
+    }
+    assert_eq!(hits(&gw), 0, "it was never served from memory");
+    let json = send_as("application/json").await;
+    assert_eq!(
+        (json.status, json.problem().as_str()),
+        (400, "body-not-json")
+    );
+    // The same request without the repeat is served from memory from its second replay on.
+    let h = [
+        ("idempotency-key", "k2"),
+        ("x-account-id", "a"),
+        ("content-type", "application/json"),
+    ];
+    for _ in 0..3 {
+        send(
+            &c,
+            http::Method::POST,
+            &url,
+            &h,
+            r#"{"amount":1}"#.to_string(),
+        )
+        .await;
+    }
+    assert_eq!(hits(&gw), 1);
+    let json = send_as("application/json").await;
+    assert_eq!(json.status, 400, "a hit on another key changes nothing");
+    assert_eq!(up.executions(), 2);
+}
+
 #[tokio::test]
 async fn a_delete_on_one_instance_evicts_the_key_from_every_instances_cache() {
     let up = Upstream::start().await;
