@@ -647,7 +647,7 @@ impl Gateway {
             log.outcome = outcome::REPLAYED;
             return Ok(hit.to_replay());
         }
-        if let Err(e) = refuse_ambiguous(idem, &parts, &body, settled) {
+        if let Err(e) = refuse_ambiguous(&parts, &body, settled) {
             if observe {
                 let body = full(body);
                 return Box::pin(forward_unkeyed(
@@ -918,7 +918,7 @@ fn key_request(
     };
     // A raw fingerprint pins the body's bytes, so the repeated-member check can wait for a
     // replay cache miss (see `refuse_ambiguous`); a canonical one does not, so it runs here.
-    let settled = json.is_parsed();
+    let settled = json.is_parsed() || idem.fingerprint.json_canonical;
     let json_value = if idem.fingerprint.json_canonical {
         json.refuse_ambiguous(&parts.headers)?;
         Some(json.get()?)
@@ -944,17 +944,17 @@ fn key_request(
 }
 
 /// The repeated-member check of a keyed request whose key, scope and fingerprint are known
-/// (`settled`: the body was already parsed, which checked it). Run after the replay cache
-/// missed: a hit needs no check, because the cache holds only bodies without a repeated
-/// member or not JSON at all (`KeyedWork::run`), and a raw fingerprint equal to an entry's
-/// means the very same bytes, on which the check cannot fail whatever `Content-Type` says.
+/// (`settled`: `key_request` checked already, because the body was parsed or the fingerprint
+/// is canonical). Run after the replay cache missed: a hit needs no check, because the cache
+/// holds only bodies without a repeated member or not JSON at all (`KeyedWork::run`), and a
+/// raw fingerprint equal to an entry's means the very same bytes, on which the check cannot
+/// fail whatever `Content-Type` says.
 fn refuse_ambiguous(
-    idem: &Idempotency,
     parts: &http::request::Parts,
     body: &Bytes,
     settled: bool,
 ) -> Result<(), GatewayError> {
-    if settled || idem.fingerprint.json_canonical {
+    if settled {
         return Ok(());
     }
     Ok(JsonBody::new(body).refuse_ambiguous(&parts.headers)?)

@@ -105,13 +105,12 @@ pub fn free_port() -> u16 {
 fn initialized(bin: &Path) -> PathBuf {
     static DONE: OnceLock<PathBuf> = OnceLock::new();
     DONE.get_or_init(|| {
-        // The options below and the binaries' directory name the template (FNV-1a).
+        // The options below, the binaries' directory and the user name the template.
+        use std::hash::{Hash, Hasher};
         let args = ["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"];
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        let key = format!("{} {} {}", bin.display(), args.join(" "), is_root());
-        for b in key.bytes() {
-            hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
+        let mut hasher = std::hash::DefaultHasher::new();
+        (bin, args, is_root()).hash(&mut hasher);
+        let hash = hasher.finish();
         let base = std::env::temp_dir().join(format!("idemgate-pg-template-{hash:016x}"));
         let template = base.join("data");
         let lock = std::fs::File::create(base.with_extension("lock"))
