@@ -23,7 +23,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
-use crate::config::{Config, GcConfig, StoreConfig};
+use crate::config::{Config, GcConfig, RuntimeLayout, StoreConfig};
 use crate::gateway::Gateway;
 use crate::store::postgres::PgStore;
 use crate::store::{Store, StoreError};
@@ -210,13 +210,80 @@ impl App {
                 }
             }
         };
-        let served = crate::server::run(listeners.main, gateway, config.server.clone(), stop).await;
+        let served = serve(listeners.main, gateway, &config.server, stop).await;
         let _ = stop_tx.send(true);
         if let Some(e) = refused.lock().expect("refusal lock").take() {
             return Err(e.into());
         }
         served.map_err(AppError::Serve)
     }
+}
+
+/// Serves `listener` on this runtime and, with `server.runtime: thread_per_core`, on
+/// `worker_threads - 1` more threads of their own (`ServingThread`), until `stop` resolves;
+/// returns once every thread has drained.
+async fn serve(
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    cfg: &crate::config::ServerConfig,
+    stop: impl Future<Output = ()>,
+) -> Result<(), String> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
+    let extra = match cfg.runtime {
+        RuntimeLayout::ThreadPerCore => cfg.worker_threads.saturating_sub(1),
+        RuntimeLayout::WorkStealing => 0,
+    };
+    if extra == 0 {
+        return crate::server::run(listener, gateway, cfg.clone(), slots, stop).await;
+    }
+    let cannot = |e: std::io::Error| format!("cannot start the serving threads: {e}");
+    let listener = listener.into_std().map_err(cannot)?;
+    let stop_all = Arc::new(watch::channel(false).0);
+    let mut threads = Vec::with_capacity(extra);
+    for index in 1..=extra {
+        let thread = listener.try_clone().and_then(|dup| {
+            crate::server::ServingThread::start(
+                index,
+                dup,
+                Arc::clone(&gateway),
+                cfg.clone(),
+                Arc::clone(&slots),
+                stop_all.subscribe(),
+            )
+        });
+        match thread {
+            Ok(thread) => threads.push(thread),
+            Err(e) => {
+                let _ = stop_all.send(true);
+                for thread in threads {
+                    thread.finish().await;
+                }
+                return Err(cannot(e));
+            }
+        }
+    }
+    let served = match TcpListener::from_std(listener) {
+        Ok(listener) => {
+            let stop_all = Arc::clone(&stop_all);
+            let stop = async move {
+                stop.await;
+                let _ = stop_all.send(true);
+            };
+            crate::server::run(listener, gateway, cfg.clone(), slots, stop).await
+        }
+        Err(e) => Err(cannot(e)),
+    };
+    // Also when this thread's listener failed before its stop came.
+    let _ = stop_all.send(true);
+    let mut result = served;
+    for thread in &mut threads {
+        let theirs = thread.served().await;
+        result = result.and(theirs);
+    }
+    for thread in threads {
+        thread.finish().await;
+    }
+    result
 }
 
 /// The store as the gateway uses it, and the same store when it is PostgreSQL.

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use idemgate::commands::{self, CommandError};
-use idemgate::config::{Config, LogFormat};
+use idemgate::config::{Config, LogFormat, RuntimeLayout};
 
 #[derive(Parser)]
 #[command(
@@ -127,8 +127,16 @@ fn main() -> ExitCode {
             .as_ref()
             .map_or(LogFormat::Text, |c| c.log_format),
     );
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Some(c) = &serve_config {
+    // Thread per core: this thread's runtime is the first serving thread (and runs the
+    // admin plane and the background tasks); `App::run` starts the others.
+    let mut runtime = match serve_config.as_ref().map(|c| c.server.runtime) {
+        Some(RuntimeLayout::ThreadPerCore) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    if let Some(c) = serve_config
+        .as_ref()
+        .filter(|c| c.server.runtime == RuntimeLayout::WorkStealing)
+    {
         runtime.worker_threads(c.server.worker_threads);
     }
     let runtime = match runtime.enable_all().build() {

@@ -13,6 +13,13 @@
 //! `serve` resolves that future through [`drain_on_signal`]: on SIGTERM/SIGINT `/readyz`
 //! fails at once while the listener keeps accepting for `server.drain_delay` (SPEC 8.3).
 //!
+//! With `server.runtime: thread_per_core` (the default) `App::run` serves the listener on its
+//! own runtime and on `worker_threads - 1` [`ServingThread`]s, each a single-threaded runtime
+//! accepting from a duplicate of the listening socket: a connection is served start to end by
+//! the thread that accepted it. The threads share one count of `max_connections` (the
+//! `slots` given to [`run`]), stop accepting together, and each drains its own connections;
+//! their runtimes are dropped only once every thread has drained.
+//!
 //! HTTP/1.1 connections are served with upgrades (`tunnel.rs`). A tunnel keeps its
 //! connection's slot of `max_connections` ([`ConnectionSlot`]) for as long as it is open,
 //! although hyper hands the connection over when it upgrades. Tunnels are not drained: they
@@ -39,11 +46,13 @@ use crate::limits::ConnectionSlot;
 const H2_MAX_STREAMS: u32 = 100;
 
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
-/// if the listener's TLS files cannot be loaded.
+/// if the listener's TLS files cannot be loaded. `slots` bounds the connections served at
+/// once (`max_connections`); the serving threads of one gateway share it.
 pub async fn run(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     cfg: ServerConfig,
+    slots: Arc<Semaphore>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
     let tls = match &cfg.tls {
@@ -69,7 +78,6 @@ pub async fn run(
         .keep_alive_interval(Some(cfg.header_read_timeout))
         .keep_alive_timeout(cfg.header_read_timeout);
     let graceful = Connections::new();
-    let slots = Arc::new(Semaphore::new(cfg.max_connections));
     tokio::pin!(shutdown);
 
     loop {
@@ -289,6 +297,79 @@ impl Signals {
         tokio::select! {
             _ = self.term.recv() => tracing::info!("SIGTERM received"),
             _ = self.int.recv() => tracing::info!("SIGINT received"),
+        }
+    }
+}
+
+/// One more thread serving the listener, on a single-threaded runtime of its own
+/// (`server.runtime: thread_per_core`). It accepts from a duplicate of the listening socket:
+/// the kernel hands each new connection to one of the threads waiting on it, and the thread
+/// that accepts a connection serves it to the end.
+///
+/// Invariant: its runtime lives until [`ServingThread::finish`], after every thread has
+/// drained, so the forwards it started and the store connections it opened outlast the
+/// drain of the threads that may still use them.
+pub struct ServingThread {
+    served: tokio::sync::oneshot::Receiver<Result<(), String>>,
+    release: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServingThread {
+    /// Starts serving `listener` (a duplicate of the main one) until `stop` turns true,
+    /// with the same connection slots as the other threads.
+    pub fn start(
+        index: usize,
+        listener: std::net::TcpListener,
+        gateway: Arc<Gateway>,
+        cfg: ServerConfig,
+        slots: Arc<Semaphore>,
+        mut stop: watch::Receiver<bool>,
+    ) -> std::io::Result<ServingThread> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (served_tx, served) = tokio::sync::oneshot::channel();
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("idemgate-srv-{index}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let result = match TcpListener::from_std(listener) {
+                        Ok(listener) => {
+                            let stopped = async move {
+                                let _ = stop.wait_for(|s| *s).await;
+                            };
+                            run(listener, gateway, cfg, slots, stopped).await
+                        }
+                        Err(e) => Err(format!("serving thread {index}: {e}")),
+                    };
+                    let _ = served_tx.send(result);
+                    let _ = released.await;
+                });
+                // Nothing of it is in use any more; a DNS lookup still running must not
+                // hold the process.
+                runtime.shutdown_timeout(Duration::from_secs(1));
+            })?;
+        Ok(ServingThread {
+            served,
+            release: Some(release),
+            thread: Some(thread),
+        })
+    }
+
+    /// Resolves when this thread has stopped accepting and drained (as [`run`] does).
+    pub async fn served(&mut self) -> Result<(), String> {
+        (&mut self.served)
+            .await
+            .unwrap_or_else(|_| Err("a serving thread ended without a result".into()))
+    }
+
+    /// Lets the thread end and drop its runtime, and waits until it has.
+    pub async fn finish(mut self) {
+        drop(self.release.take());
+        if let Some(thread) = self.thread.take() {
+            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
     }
 }

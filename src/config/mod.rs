@@ -144,8 +144,10 @@ pub struct ServerConfig {
     /// Request bodies and captured responses held in memory at once, across all requests
     /// (SPEC 8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
-    /// Threads of the runtime that serves requests (default: the cores available).
+    /// Threads that serve requests (default: the cores available).
     pub worker_threads: usize,
+    /// How those threads share the work (default: a thread per core).
+    pub runtime: RuntimeLayout,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
     pub tls: Option<TlsFiles>,
 }
@@ -381,6 +383,19 @@ pub enum ScopeSource {
     /// SHA-256 of the `Authorization` header value; the credential is never stored.
     Authorization,
     Fixed(String),
+}
+
+/// How the threads that serve requests share the work (`server.runtime`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RuntimeLayout {
+    /// Each of the `worker_threads` runs a single-threaded runtime of its own that accepts
+    /// from the shared listening socket and serves its connections start to end, as nginx's
+    /// workers do: no task moves between threads, and no thread wakes another for a request.
+    #[default]
+    ThreadPerCore,
+    /// One multi-threaded tokio runtime: its `worker_threads` steal tasks from each other.
+    WorkStealing,
 }
 
 /// Whether a keyed route enforces idempotency or only observes what enforcing would do
@@ -818,6 +833,20 @@ routes:
         assert_eq!(a, b);
         let c = Config::from_yaml(&MINIMAL.replace("timeout: 30s", "timeout: 29s")).unwrap();
         assert_ne!(a.upstreams, c.upstreams);
+    }
+
+    #[test]
+    fn the_runtime_is_a_thread_per_core_unless_asked_otherwise() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.server.runtime, RuntimeLayout::ThreadPerCore);
+        let yaml = format!("server: {{ runtime: work_stealing }}\n{MINIMAL}");
+        let c = Config::from_yaml(&yaml).unwrap();
+        assert_eq!(c.server.runtime, RuntimeLayout::WorkStealing);
+        let e = err(&format!("server: {{ runtime: per_core }}\n{MINIMAL}"));
+        assert!(
+            e.starts_with("server.runtime: unknown variant `per_core`, expected `thread_per_core` or `work_stealing`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -95,6 +95,10 @@ pub(super) struct RawServer {
     /// `server.worker_threads`: threads of the runtime that serves requests. Default: the
     /// cores available; at least 1.
     pub(super) worker_threads: Option<usize>,
+    /// `server.runtime`: how those threads share the work: `thread_per_core` (the default:
+    /// each thread runs its own event loop and accepts its own connections) or
+    /// `work_stealing` (one tokio runtime whose threads take tasks from each other).
+    pub(super) runtime: Option<crate::config::RuntimeLayout>,
     /// `server.tls`: HTTPS on the listener (HTTP/1.1 and h2 by ALPN). Default: none, plain
     /// HTTP (and h2c).
     pub(super) tls: Option<RawServerTls>,

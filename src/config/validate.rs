@@ -138,6 +138,7 @@ fn validate_server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             Some(0) => return Err(invalid("server.worker_threads", "must be at least 1")),
             Some(n) => n,
         },
+        runtime: raw.runtime.unwrap_or_default(),
         tls,
     };
     if server.max_buffered_bytes == 0 {

@@ -31,8 +31,10 @@
 //! The idle connections are kept in `shard::SHARDS` lists (each keeping at most `MAX_IDLE /
 //! SHARDS`), each thread giving back to and taking from its own first: a connection mostly stays
 //! with the runtime worker that used it last, with its buffers and state in that core's cache, as
-//! an nginx worker keeps its own keep-alive pool. A thread whose list is empty takes from the
-//! others before it connects, so sharding opens no more connections than one list would.
+//! an nginx worker keeps its own keep-alive pool. On the multi-threaded runtime a thread whose
+//! list is empty takes from the others before it connects, so sharding opens no more
+//! connections than one list would; a thread with a runtime of its own (thread per core) only
+//! takes from its own list, as a socket stays registered with the runtime that opened it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -196,10 +198,16 @@ impl Pool {
     }
 
     /// The most recently used idle connection that is still open and ready: from the
-    /// thread's own list, else from the others in turn.
+    /// thread's own list, else (on a multi-threaded runtime) from the others in turn.
     async fn take_idle(&self) -> Option<Idle> {
         let own = crate::shard::own();
-        for i in 0..SHARDS {
+        // A thread with a runtime of its own (`server.runtime: thread_per_core`) keeps to its
+        // own list: another list's sockets wait for readiness on another thread's runtime.
+        let lists = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => SHARDS,
+            _ => 1,
+        };
+        for i in 0..lists {
             let shard = &self.idle[(own + i) % SHARDS];
             loop {
                 let mut idle = {

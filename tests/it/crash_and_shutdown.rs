@@ -216,3 +216,148 @@ async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
     let state = key_state(&db, "late").await;
     assert_eq!(state, "in_flight", "never marked done");
 }
+
+/// The names of the process's threads (`/proc/<pid>/task/*/comm`).
+fn thread_names(gw: &GatewayProcess) -> Vec<String> {
+    let pid = gw.pid().expect("running");
+    let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn sigterm_drains_the_requests_of_every_serving_thread() {
+    // `server.runtime: thread_per_core` (the default) with four threads: three of them
+    // started beside the main one, each accepting from the same socket. Twelve requests on
+    // twelve connections are spread over them by the kernel; a drain must wait for all.
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(1000),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let config = yaml(&db, &up.url(), "", "10s").patch("server: {", "server: { worker_threads: 4,");
+    let mut gw = GatewayProcess::start(&config).await;
+    let serving: Vec<String> = thread_names(&gw)
+        .into_iter()
+        .filter(|n| n.starts_with("idemgate-srv-"))
+        .collect();
+    assert_eq!(
+        serving,
+        ["idemgate-srv-1", "idemgate-srv-2", "idemgate-srv-3"],
+        "three serving threads beside the main one"
+    );
+    let mut tasks = Vec::new();
+    for i in 0..12 {
+        // A client of its own each: twelve connections, not one pooled connection.
+        let (c, url) = (client(), gw.url("/pay"));
+        tasks.push(tokio::spawn(async move {
+            let key = format!("d{i}");
+            try_send(
+                &c,
+                Method::POST,
+                &url,
+                &[("idempotency-key", &key), ("x-account-id", "a")],
+                "e",
+            )
+            .await
+        }));
+    }
+    wait_until(
+        "all twelve are at the upstream",
+        Duration::from_secs(10),
+        || async { up.executions() == 12 },
+    )
+    .await;
+    gw.terminate();
+    let addr = gw.addr;
+    wait_until(
+        "new connections are refused",
+        Duration::from_secs(5),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    for t in tasks {
+        let r = t.await.unwrap().expect("in-flight requests are answered");
+        assert_eq!(r.status, 201);
+    }
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "clean exit:\n{}",
+        gw.log_text()
+    );
+    let completed: i64 = sql(&db)
+        .await
+        .query_one(
+            "SELECT count(*) FROM idemgate_keys WHERE state = 'completed'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(completed, 12, "every drained request was stored");
+    assert_eq!(up.executions(), 12);
+}
+
+#[tokio::test]
+async fn the_work_stealing_runtime_serves_and_drains_too() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let config = yaml(&db, &up.url(), "", "10s").patch(
+        "server: {",
+        "server: { runtime: work_stealing, worker_threads: 3,",
+    );
+    let mut gw = GatewayProcess::start(&config).await;
+    let names = thread_names(&gw);
+    assert!(
+        !names.iter().any(|n| n.starts_with("idemgate-srv-")),
+        "no serving threads of their own: {names:?}"
+    );
+    assert!(
+        names
+            .iter()
+            .filter(|n| n.starts_with("tokio-rt-worker"))
+            .count()
+            >= 3,
+        "the runtime's workers: {names:?}"
+    );
+    let c = client();
+    let first = try_send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[("idempotency-key", "w1"), ("x-account-id", "a")],
+        "e",
+    )
+    .await
+    .unwrap();
+    assert_eq!(first.status, 201);
+    let retry = try_send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[("idempotency-key", "w1"), ("x-account-id", "a")],
+        "e",
+    )
+    .await
+    .unwrap();
+    assert_eq!(retry.status, 201);
+    assert_eq!(up.executions(), 1, "the retry was replayed");
+    let late = in_flight_try(&gw.url("/pay"), &up, "a", "w2", "e").await;
+    gw.terminate();
+    let r = late.await.unwrap().expect("answered during the drain");
+    assert_eq!(r.status, 201);
+    assert!(
+        gw.wait_exit(Duration::from_secs(10)).await,
+        "clean exit:\n{}",
+        gw.log_text()
+    );
+}

@@ -175,9 +175,11 @@ async fn a_client_that_hangs_up_mid_upload_leaves_nothing_behind() {
 async fn at_max_connections_new_connections_wait_while_existing_ones_keep_working() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
+    // Three serving threads (thread per core) share the two slots: were each to count its
+    // own, a thread with none in use would accept the third connection.
     let yaml = config_yaml(&db, &up.url(), "").patch(
         "server: { shutdown_grace: 5s,",
-        "server: { max_connections: 2, shutdown_grace: 5s,",
+        "server: { max_connections: 2, worker_threads: 3, shutdown_grace: 5s,",
     );
     let gw = TestGateway::start(&yaml, &db).await;
     let req = |key: &str| {
