@@ -234,13 +234,15 @@ async fn serve(
         RuntimeLayout::WorkStealing => 0,
     };
     if extra == 0 {
-        return crate::server::run(listener, gateway, cfg.clone(), slots, stop).await;
+        return crate::server::run(listener, gateway, cfg.clone(), slots, None, stop).await;
     }
     let cannot = |e: std::io::Error| format!("cannot start the serving threads: {e}");
     let listener = listener.into_std().map_err(cannot)?;
     let stop_all = Arc::new(watch::channel(false).0);
+    let mut places = crate::server::Balance::places(extra + 1).into_iter();
+    let own_place = places.next().expect("one place per thread");
     let mut threads = Vec::with_capacity(extra);
-    for index in 1..=extra {
+    for (index, place) in (1..=extra).zip(places) {
         let thread = listener.try_clone().and_then(|dup| {
             crate::server::ServingThread::start(
                 index,
@@ -248,6 +250,7 @@ async fn serve(
                 Arc::clone(&gateway),
                 cfg.clone(),
                 Arc::clone(&slots),
+                place,
                 stop_all.subscribe(),
             )
         });
@@ -269,7 +272,7 @@ async fn serve(
                 stop.await;
                 let _ = stop_all.send(true);
             };
-            crate::server::run(listener, gateway, cfg.clone(), slots, stop).await
+            crate::server::run(listener, gateway, cfg.clone(), slots, Some(own_place), stop).await
         }
         Err(e) => Err(cannot(e)),
     };

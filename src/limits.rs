@@ -30,16 +30,69 @@ use tokio::sync::OwnedSemaphorePermit;
 /// shared by the connection and its requests (in their extensions): freed when the last
 /// holder is gone. Only a tunnel keeps its request's copy past the response
 /// (`Gateway::route_request` drops it for everything else).
+/// With several serving threads it also holds the connection's [`Seat`] on the thread that
+/// serves it, so a tunnel counts there as long as it is open.
 #[derive(Clone)]
 pub struct ConnectionSlot {
-    _permit: Arc<OwnedSemaphorePermit>,
+    _held: Arc<(OwnedSemaphorePermit, Option<Seat>)>,
 }
 
 impl ConnectionSlot {
-    pub fn new(permit: OwnedSemaphorePermit) -> ConnectionSlot {
+    pub fn new(permit: OwnedSemaphorePermit, seat: Option<Seat>) -> ConnectionSlot {
         ConnectionSlot {
-            _permit: Arc::new(permit),
+            _held: Arc::new((permit, seat)),
         }
+    }
+}
+
+/// How many connections each serving thread serves (`server.runtime: thread_per_core`),
+/// for the balance that spreads new ones (`server.rs`). Read without a lock: a reading may
+/// be one off while a connection starts or ends elsewhere.
+pub struct ThreadLoad {
+    open: Box<[AtomicUsize]>,
+}
+
+impl ThreadLoad {
+    pub fn new(threads: usize) -> ThreadLoad {
+        ThreadLoad {
+            open: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
+        }
+    }
+
+    /// The connections thread `index` serves.
+    pub fn of(&self, index: usize) -> usize {
+        self.open[index].load(Ordering::Relaxed)
+    }
+
+    /// The thread serving the fewest, and how many.
+    pub fn fewest(&self) -> (usize, usize) {
+        self.open
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .enumerate()
+            .min_by_key(|&(_, n)| n)
+            .expect("at least one thread")
+    }
+
+    /// Counts a connection on thread `index` until its seat is dropped.
+    pub fn seat(self: &Arc<ThreadLoad>, index: usize) -> Seat {
+        self.open[index].fetch_add(1, Ordering::Relaxed);
+        Seat {
+            load: Arc::clone(self),
+            index,
+        }
+    }
+}
+
+/// A connection counted on the thread that serves it ([`ThreadLoad`]), until dropped.
+pub struct Seat {
+    load: Arc<ThreadLoad>,
+    index: usize,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        self.load.open[self.index].fetch_sub(1, Ordering::Relaxed);
     }
 }
 

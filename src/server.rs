@@ -40,7 +40,7 @@ use tokio::sync::{Semaphore, watch};
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
 use crate::gateway::{Connection, Gateway};
-use crate::limits::ConnectionSlot;
+use crate::limits::{ConnectionSlot, Seat, ThreadLoad};
 
 /// Concurrent requests on one h2 connection.
 const H2_MAX_STREAMS: u32 = 100;
@@ -53,6 +53,7 @@ pub async fn run(
     gateway: Arc<Gateway>,
     cfg: ServerConfig,
     slots: Arc<Semaphore>,
+    balanced: Option<Balanced>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), String> {
     let tls = match &cfg.tls {
@@ -79,18 +80,39 @@ pub async fn run(
         .keep_alive_timeout(cfg.header_read_timeout);
     let graceful = Connections::new();
     tokio::pin!(shutdown);
+    let (balance, mut inbox) = match balanced {
+        Some(Balanced {
+            balance,
+            index,
+            inbox,
+        }) => (Some((balance, index)), Some(inbox)),
+        None => (None, None),
+    };
 
     loop {
-        let permit = tokio::select! {
-            p = Arc::clone(&slots).acquire_owned() => p.expect("the semaphore is never closed"),
-            () = &mut shutdown => break,
+        let accept = async {
+            let permit = Arc::clone(&slots)
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
+            (permit, listener.accept().await)
         };
-        let (stream, addr) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(conn) => conn,
+        let (permit, stream, addr, seat) = tokio::select! {
+            Some((permit, stream, addr, seat)) = handed_to(&mut inbox) => {
+                (permit, stream, addr, Some(seat))
+            }
+            (permit, accepted) = accept => match accepted {
+                Ok((stream, addr)) => match &balance {
+                    None => (permit, stream, addr, None),
+                    Some((balance, index)) => match balance.place(*index, permit, stream, addr) {
+                        Placed::Here(permit, stream, seat) => (permit, stream, addr, Some(seat)),
+                        Placed::Handed => continue,
+                    },
+                },
                 Err(e) => {
                     // EMFILE and friends: back off instead of spinning.
                     tracing::warn!(error = %e, "accept failed");
+                    drop(permit);
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
@@ -99,7 +121,7 @@ pub async fn run(
         };
         let _ = stream.set_nodelay(true);
         let info = ClientInfo::new(addr, tls.is_some());
-        let permit = ConnectionSlot::new(permit);
+        let permit = ConnectionSlot::new(permit, seat);
         let connection = Arc::new(Connection::new(
             Arc::clone(&gateway),
             info,
@@ -301,6 +323,117 @@ impl Signals {
     }
 }
 
+/// The serving threads' count of the connections each serves, and a way to hand one a
+/// connection: as envoy's exact connection balance, a thread that accepts a connection while
+/// another serves fewer hands it to the one serving the fewest. Whichever thread the
+/// kernel wakes for a burst of connections accepts them all, so without this one thread can
+/// end up serving every kept-alive connection of a client's pool while the others idle.
+pub struct Balance {
+    load: Arc<ThreadLoad>,
+    inboxes: Box<[tokio::sync::mpsc::UnboundedSender<Handed>]>,
+}
+
+/// A connection on its way to the thread that will serve it, with its slot and its seat
+/// there.
+struct Handed {
+    permit: tokio::sync::OwnedSemaphorePermit,
+    seat: Seat,
+    stream: std::net::TcpStream,
+    addr: std::net::SocketAddr,
+}
+
+/// One serving thread's place in a [`Balance`].
+pub struct Balanced {
+    balance: Arc<Balance>,
+    index: usize,
+    inbox: tokio::sync::mpsc::UnboundedReceiver<Handed>,
+}
+
+enum Placed {
+    Here(
+        tokio::sync::OwnedSemaphorePermit,
+        tokio::net::TcpStream,
+        Seat,
+    ),
+    Handed,
+}
+
+impl Balance {
+    /// A balance of `threads` threads: each one's place in it.
+    pub fn places(threads: usize) -> Vec<Balanced> {
+        let (inboxes, receivers): (Vec<_>, Vec<_>) = (0..threads)
+            .map(|_| tokio::sync::mpsc::unbounded_channel())
+            .unzip();
+        let balance = Arc::new(Balance {
+            load: Arc::new(ThreadLoad::new(threads)),
+            inboxes: inboxes.into_boxed_slice(),
+        });
+        receivers
+            .into_iter()
+            .enumerate()
+            .map(|(index, inbox)| Balanced {
+                balance: Arc::clone(&balance),
+                index,
+                inbox,
+            })
+            .collect()
+    }
+
+    /// Serves a connection thread `index` accepted there, or hands it to the thread serving
+    /// the fewest when that is fewer than `index`.
+    fn place(
+        &self,
+        index: usize,
+        permit: tokio::sync::OwnedSemaphorePermit,
+        stream: tokio::net::TcpStream,
+        addr: std::net::SocketAddr,
+    ) -> Placed {
+        let (fewest, least) = self.load.fewest();
+        if least >= self.load.of(index) {
+            return Placed::Here(permit, stream, self.load.seat(index));
+        }
+        match stream.into_std() {
+            Ok(stream) => {
+                let handed = Handed {
+                    permit,
+                    seat: self.load.seat(fewest),
+                    stream,
+                    addr,
+                };
+                // A thread that has stopped serving has dropped its inbox: the connection
+                // closes, as one still in the backlog would at shutdown.
+                let _ = self.inboxes[fewest].send(handed);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "a connection to hand over could not be detached")
+            }
+        }
+        Placed::Handed
+    }
+}
+
+/// The next connection another thread handed to this one; pending without a balance.
+async fn handed_to(
+    inbox: &mut Option<tokio::sync::mpsc::UnboundedReceiver<Handed>>,
+) -> Option<(
+    tokio::sync::OwnedSemaphorePermit,
+    tokio::net::TcpStream,
+    std::net::SocketAddr,
+    Seat,
+)> {
+    let Some(inbox) = inbox.as_mut() else {
+        return std::future::pending().await;
+    };
+    let handed = inbox.recv().await?;
+    match tokio::net::TcpStream::from_std(handed.stream) {
+        Ok(stream) => Some((handed.permit, stream, handed.addr, handed.seat)),
+        Err(e) => {
+            tracing::debug!(error = %e, "a handed connection could not be registered");
+            None
+        }
+    }
+}
+
 /// One more thread serving the listener, on a single-threaded runtime of its own
 /// (`server.runtime: thread_per_core`). It accepts from a duplicate of the listening socket:
 /// the kernel hands each new connection to one of the threads waiting on it, and the thread
@@ -317,13 +450,14 @@ pub struct ServingThread {
 
 impl ServingThread {
     /// Starts serving `listener` (a duplicate of the main one) until `stop` turns true,
-    /// with the same connection slots as the other threads.
+    /// with the same connection slots as the other threads and its `place` in their balance.
     pub fn start(
         index: usize,
         listener: std::net::TcpListener,
         gateway: Arc<Gateway>,
         cfg: ServerConfig,
         slots: Arc<Semaphore>,
+        place: Balanced,
         mut stop: watch::Receiver<bool>,
     ) -> std::io::Result<ServingThread> {
         let runtime = tokio::runtime::Builder::new_current_thread()
@@ -340,7 +474,7 @@ impl ServingThread {
                             let stopped = async move {
                                 let _ = stop.wait_for(|s| *s).await;
                             };
-                            run(listener, gateway, cfg, slots, stopped).await
+                            run(listener, gateway, cfg, slots, Some(place), stopped).await
                         }
                         Err(e) => Err(format!("serving thread {index}: {e}")),
                     };
@@ -371,5 +505,61 @@ impl ServingThread {
         if let Some(thread) = self.thread.take() {
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connected socket on the loopback, as the listener would accept it.
+    async fn accepted(listener: &TcpListener) -> (tokio::net::TcpStream, std::net::SocketAddr) {
+        let addr = listener.local_addr().unwrap();
+        let (_client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        accepted.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_burst_accepted_by_one_thread_is_spread_evenly() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let slots = Arc::new(Semaphore::new(100));
+        let mut places = Balance::places(3).into_iter();
+        let first = places.next().unwrap();
+        let mut inboxes: Vec<_> = places.map(|p| Some(p.inbox)).collect();
+        let mut here = Vec::new();
+        for _ in 0..9 {
+            let permit = Arc::clone(&slots).acquire_owned().await.unwrap();
+            let (stream, addr) = accepted(&listener).await;
+            match first.balance.place(0, permit, stream, addr) {
+                Placed::Here(_, _, seat) => here.push(seat),
+                Placed::Handed => {}
+            }
+        }
+        // Nine connections accepted by thread 0: three each, six of them handed over.
+        assert_eq!(here.len(), 3);
+        let mut handed = Vec::new();
+        for inbox in &mut inboxes {
+            for _ in 0..3 {
+                let got = tokio::time::timeout(Duration::from_secs(5), handed_to(inbox)).await;
+                handed.push(got.expect("a handed connection").expect("registered"));
+            }
+        }
+        let load = &first.balance.load;
+        let counts = || (0..3).map(|i| load.of(i)).collect::<Vec<_>>();
+        assert_eq!(counts(), [3, 3, 3]);
+        // Connections that end give their seats back: thread 0 now serves the fewest, and
+        // keeps the next one it accepts.
+        here.clear();
+        assert_eq!(counts(), [0, 3, 3]);
+        let permit = Arc::clone(&slots).acquire_owned().await.unwrap();
+        let (stream, addr) = accepted(&listener).await;
+        assert!(matches!(
+            first.balance.place(0, permit, stream, addr),
+            Placed::Here(..)
+        ));
+        drop(handed);
+        assert_eq!(counts(), [0, 0, 0]);
+        assert_eq!(slots.available_permits(), 100, "every slot given back");
     }
 }
