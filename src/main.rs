@@ -129,16 +129,17 @@ fn main() -> ExitCode {
     );
     // Thread per core: this thread's runtime is the first serving thread (and runs the
     // admin plane and the background tasks); `App::run` starts the others.
-    let mut runtime = match serve_config.as_ref().map(|c| c.server.runtime) {
-        Some(RuntimeLayout::ThreadPerCore) => tokio::runtime::Builder::new_current_thread(),
-        _ => tokio::runtime::Builder::new_multi_thread(),
+    let mut runtime = match serve_config.as_ref().map(|c| &c.server) {
+        Some(s) if s.runtime == RuntimeLayout::ThreadPerCore => {
+            tokio::runtime::Builder::new_current_thread()
+        }
+        Some(s) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(s.worker_threads);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
     };
-    if let Some(c) = serve_config
-        .as_ref()
-        .filter(|c| c.server.runtime == RuntimeLayout::WorkStealing)
-    {
-        runtime.worker_threads(c.server.worker_threads);
-    }
     let runtime = match runtime.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {

@@ -444,8 +444,8 @@ async fn handed_to(
 /// drain of the threads that may still use them.
 pub struct ServingThread {
     served: tokio::sync::oneshot::Receiver<Result<(), String>>,
-    release: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    release: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 impl ServingThread {
@@ -487,8 +487,8 @@ impl ServingThread {
             })?;
         Ok(ServingThread {
             served,
-            release: Some(release),
-            thread: Some(thread),
+            release,
+            thread,
         })
     }
 
@@ -500,11 +500,12 @@ impl ServingThread {
     }
 
     /// Lets the thread end and drop its runtime, and waits until it has.
-    pub async fn finish(mut self) {
-        drop(self.release.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = tokio::task::spawn_blocking(move || thread.join()).await;
-        }
+    pub async fn finish(self) {
+        let ServingThread {
+            release, thread, ..
+        } = self;
+        drop(release);
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     }
 }
 

@@ -261,21 +261,10 @@ async fn sigterm_drains_the_requests_of_every_serving_thread() {
         ["idemgate-srv-1", "idemgate-srv-2", "idemgate-srv-3"],
         "three serving threads beside the main one"
     );
+    // A client of its own each (`in_flight_try`): twelve connections, not one pooled one.
     let mut tasks = Vec::new();
     for i in 0..12 {
-        // A client of its own each: twelve connections, not one pooled connection.
-        let (c, url) = (client(), gw.url("/pay"));
-        tasks.push(tokio::spawn(async move {
-            let key = format!("d{i}");
-            try_send(
-                &c,
-                Method::POST,
-                &url,
-                &[("idempotency-key", &key), ("x-account-id", "a")],
-                "e",
-            )
-            .await
-        }));
+        tasks.push(in_flight_try(&gw.url("/pay"), &up, "a", &format!("d{i}"), "e").await);
     }
     wait_until(
         "all twelve are at the upstream",
