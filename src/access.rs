@@ -81,13 +81,18 @@ pub fn new_request_id() -> HeaderValue {
     for i in 0..digits {
         id[16 + digits - i] = b"0123456789abcdef"[((n >> (4 * i)) & 0xf) as usize];
     }
-    HeaderValue::from_bytes(&id[..17 + digits]).expect("hex and a dash are a valid header value")
+    // Owned by one allocation that every clone shares (the id goes to the upstream, the
+    // client and the access line): copied into a `Vec`, the first clone would allocate again.
+    let id = Bytes::from_owner(id).slice(..17 + digits);
+    HeaderValue::from_maybe_shared(id).expect("hex and a dash are a valid header value")
 }
 
 /// What the access line says about one request; filled in as the request goes.
 pub struct AccessLine {
     pub method: Method,
-    pub path: String,
+    /// The request's target as it came (the line has its path). A clone shares the bytes
+    /// the request was read into.
+    pub uri: http::Uri,
     pub version: Version,
     pub client_ip: std::net::IpAddr,
     pub request_id: HeaderValue,
@@ -129,7 +134,7 @@ impl AccessLine {
         let error = self.error.as_deref().unwrap_or("");
         let (method, path, proto, client, status) = (
             self.method.as_str(),
-            self.path.as_str(),
+            self.uri.path(),
             protocol(self.version),
             self.client_ip,
             self.status,

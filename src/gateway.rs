@@ -31,7 +31,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{self, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -57,7 +57,7 @@ use crate::store::{Claim, ClaimRequest, Store};
 use crate::wait::{self, key_id};
 
 /// Response header on answers forwarded without idempotency because the store was down.
-pub const IDEMPOTENCY_STATUS: &str = "idempotency-status";
+pub const IDEMPOTENCY_STATUS: HeaderName = HeaderName::from_static("idempotency-status");
 
 /// Everything a request needs, shared by all connections.
 pub struct Gateway {
@@ -434,11 +434,7 @@ impl Gateway {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok())
             .or_else(|| hyper::body::Body::is_end_stream(req.body()).then_some(0));
-        let (method, path, version) = (
-            req.method().clone(),
-            req.uri().path().to_string(),
-            req.version(),
-        );
+        let (method, uri, version) = (req.method().clone(), req.uri().clone(), req.version());
         let mut log = RequestLog::new(outcome::PROXIED);
         let (mut resp, error) = match self
             .route_request(routing, req, client, connection, &mut log)
@@ -480,7 +476,7 @@ impl Gateway {
             .insert(crate::access::X_REQUEST_ID, request_id.clone());
         let line = crate::access::AccessLine {
             method,
-            path,
+            uri,
             version,
             client_ip: client.addr.ip(),
             request_id,

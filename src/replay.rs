@@ -11,8 +11,9 @@ use http::{Response, StatusCode};
 
 use crate::forward::{Body, full};
 
-/// Header added to every replayed response.
-pub const REPLAYED: &str = "idempotent-replayed";
+/// Header added to every replayed response (a `HeaderName`: inserting a `&str` name copies it
+/// into a new allocation at every replay).
+pub const REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// A response as it is stored in the claim row.
 #[derive(Debug, Clone, PartialEq, Eq)]

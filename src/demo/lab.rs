@@ -338,7 +338,7 @@ impl LabClient {
         let status = resp.status().as_u16();
         let replayed = resp
             .headers()
-            .get(crate::replay::REPLAYED)
+            .get(&crate::replay::REPLAYED)
             .is_some_and(|v| v == "true");
         let body = resp
             .into_body()

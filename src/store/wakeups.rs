@@ -44,11 +44,14 @@ pub const POLL_MAX: Duration = Duration::from_millis(250);
 /// The wake-up identity of a key: 32 hex chars of SHA-256(scope, key). Short, fixed-size
 /// (a NOTIFY payload), and it carries neither the scope nor the key in clear.
 pub fn key_id(scope: &str, key: &str) -> String {
-    let mut buf = Vec::with_capacity(scope.len() + key.len() + 1);
-    buf.extend_from_slice(scope.as_bytes());
-    buf.push(0);
-    buf.extend_from_slice(key.as_bytes());
-    hex(&sha256(&buf)[..16])
+    use sha2::Digest;
+    let digest: Fingerprint = sha2::Sha256::new()
+        .chain_update(scope)
+        .chain_update([0])
+        .chain_update(key)
+        .finalize()
+        .into();
+    hex(&digest[..16])
 }
 
 /// The wake-up identity of a scope's forwarding slots (`serialize`).
@@ -296,6 +299,9 @@ mod tests {
     fn key_ids_are_short_and_distinct() {
         assert_eq!(key_id("a", "b").len(), 32);
         assert_ne!(key_id("a", "bc"), key_id("ab", "c"));
+        // SHA-256 of scope, a zero byte and key: the same id as every earlier release wrote
+        // in its logs.
+        assert_eq!(key_id("acct-1", "k"), hex(&sha256(b"acct-1\0k")[..16]));
     }
 
     #[tokio::test]
