@@ -252,12 +252,22 @@ async fn sigterm_drains_the_requests_of_every_serving_thread() {
     let db = pg::fresh_database().await;
     let config = yaml(&db, &up.url(), "", "10s").patch("server: {", "server: { worker_threads: 4,");
     let gw = GatewayProcess::start(&config).await;
-    let serving: Vec<String> = thread_names(&gw)
-        .into_iter()
-        .filter(|n| n.starts_with("idemgate-srv-"))
-        .collect();
+    let serving = || {
+        thread_names(&gw)
+            .into_iter()
+            .filter(|n| n.starts_with("idemgate-srv-"))
+            .collect::<Vec<_>>()
+    };
+    // A thread names itself once it runs: the gateway can answer on one thread a moment
+    // before another has.
+    wait_until(
+        "three serving threads beside the main one",
+        Duration::from_secs(10),
+        || async { serving().len() == 3 },
+    )
+    .await;
     assert_eq!(
-        serving,
+        serving(),
         ["idemgate-srv-1", "idemgate-srv-2", "idemgate-srv-3"],
         "three serving threads beside the main one"
     );
