@@ -32,7 +32,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::cache::ReplayCache;
-use crate::fingerprint::{Fingerprint, hex, sha256};
+use crate::fingerprint::{Fingerprint, hex};
 use crate::store::{Claim, ClaimRequest, Store, StoreError};
 
 /// Longest pause between two looks at an in-flight key while wake-ups flow.
@@ -44,22 +44,23 @@ pub const POLL_MAX: Duration = Duration::from_millis(250);
 /// The wake-up identity of a key: 32 hex chars of SHA-256(scope, key). Short, fixed-size
 /// (a NOTIFY payload), and it carries neither the scope nor the key in clear.
 pub fn key_id(scope: &str, key: &str) -> String {
-    use sha2::Digest;
-    let digest: Fingerprint = sha2::Sha256::new()
-        .chain_update(scope)
-        .chain_update([0])
-        .chain_update(key)
-        .finalize()
-        .into();
-    hex(&digest[..16])
+    short_id(&[scope.as_bytes(), b"\0", key.as_bytes()])
 }
 
 /// The wake-up identity of a scope's forwarding slots (`serialize`).
 pub fn slot_id(scope: &str) -> String {
-    let mut buf = Vec::with_capacity(scope.len() + 6);
-    buf.extend_from_slice(b"slots\0");
-    buf.extend_from_slice(scope.as_bytes());
-    hex(&sha256(&buf)[..16])
+    short_id(&[b"slots\0", scope.as_bytes()])
+}
+
+/// 32 hex chars of SHA-256 over `parts` one after another, fed to the hasher in place.
+fn short_id(parts: &[&[u8]]) -> String {
+    use sha2::Digest;
+    let mut hasher = sha2::Sha256::new();
+    for part in parts {
+        hasher.update(part);
+    }
+    let digest: Fingerprint = hasher.finalize().into();
+    hex(&digest[..16])
 }
 
 /// Counters for tests and metrics.
@@ -301,7 +302,9 @@ mod tests {
         assert_ne!(key_id("a", "bc"), key_id("ab", "c"));
         // SHA-256 of scope, a zero byte and key: the same id as every earlier release wrote
         // in its logs.
+        use crate::fingerprint::sha256;
         assert_eq!(key_id("acct-1", "k"), hex(&sha256(b"acct-1\0k")[..16]));
+        assert_eq!(slot_id("acct-1"), hex(&sha256(b"slots\0acct-1")[..16]));
     }
 
     #[tokio::test]
