@@ -99,28 +99,15 @@ def report(samples_path, log_path, results_path, wanted):
         samples = [json.loads(line) for line in f]
     if not samples:
         sys.exit("round_costs.py: no samples")
-    with open(log_path) as f:
-        log = f.read()
-    with open(results_path) as f:
-        results = f.read()
     hz = os.sysconf("SC_CLK_TCK")
-    day = datetime.datetime.fromtimestamp(samples[0]["t"], datetime.timezone.utc).date()
-    rates = {}
-    for m in re.finditer(r"^\| (\S+) \| (\d+) \| (\d+) \|", results, re.M):
-        rates[(m.group(1), int(m.group(2)))] = int(m.group(3))
     ncpu = os.cpu_count() or 1
-    for m in re.finditer(r"\[perf (\d\d:\d\d:\d\d)\] round (\d+)/\d+: (\S+)", log):
-        scenario, rnd = m.group(3), int(m.group(2))
-        if scenario not in wanted or (scenario, rnd) not in rates:
+    for scenario, rnd, start, rate, _, _ in rounds_of(log_path, results_path):
+        if scenario not in wanted:
             continue
-        start = datetime.datetime.combine(
-            day, datetime.time.fromisoformat(m.group(1)), datetime.timezone.utc
-        ).timestamp()
         window = [s for s in samples if start + 2.5 <= s["t"] <= start + 12.0]
         if len(window) < 2:
             continue
         a, b = window[0], window[-1]
-        rate = rates[(scenario, rnd)]
         machine = "n/a"
         if "stat" in a and "stat" in b:
             kinds = [y - x for x, y in zip(a["stat"], b["stat"])]
