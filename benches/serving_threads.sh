@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# What a replay and a plain request cost one gateway by its number of serving threads: CPU and
+# context switches per request, summed over the gateway's threads (BENCHMARKS.md, "Latest").
+#
+#   cargo build --release && benches/serving_threads.sh [BIN]     # BIN: target/release/idemgate
+#
+# For THREADS (default "2 1") in turn, starts the gateway with `server.worker_threads` set to
+# it (the embedded store, an nginx upstream on a free port, the benchmark routes), then ROUNDS
+# (3) times: replays (`POST /pay`, one Idempotency-Key per round) and plain requests (`POST
+# /plain/pay`), each `wrk -t1 -c32` for DUR seconds (8) after 2 s of warm-up, and prints per
+# request the gateway's user and system CPU (µs, from /proc) and its voluntary and involuntary
+# context switches. A voluntary switch is a thread that ran out of work and slept. Needs wrk,
+# nginx, curl and python3.
+set -euo pipefail
+
+ROUNDS=${ROUNDS:-3}
+DUR=${DUR:-8}
+THREADS=${THREADS:-2 1}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BIN=${1:-$ROOT/target/release/idemgate}
+for tool in wrk nginx curl python3; do
+  command -v "$tool" >/dev/null || { echo "serving_threads.sh: $tool is missing" >&2; exit 2; }
+done
+[[ -x $BIN ]] || { echo "serving_threads.sh: no $BIN (cargo build --release)" >&2; exit 2; }
+
+# WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, stop_nginx,
+# wait_answering, gateway_routes: benches/http.sh.
+source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
+GW_PID=""
+stop_gateway() {
+  [[ -n $GW_PID ]] || return 0
+  kill "$GW_PID" 2>/dev/null || true
+  wait "$GW_PID" 2>/dev/null || true
+  GW_PID=""
+}
+cleanup() {
+  stop_gateway
+  stop_nginx
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+
+UP=$(free_port) STATUS=$(free_port)
+start_upstream "$UP" "$STATUS"
+wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
+request_lua "$WORK/request.lua"
+
+# The gateway's user and system ticks and context switches, summed over its threads.
+snapshot() {
+  local u=0 s=0 v=0 n=0 a b t
+  for t in /proc/"$GW_PID"/task/*; do
+    read -r a b < <(awk '{ print $14, $15 }' "$t/stat")
+    u=$((u + a)) s=$((s + b))
+    v=$((v + $(awk '/^voluntary_ctxt_switches/ { print $2 }' "$t/status")))
+    n=$((n + $(awk '/^nonvoluntary_ctxt_switches/ { print $2 }' "$t/status")))
+  done
+  echo "$u $s $v $n"
+}
+
+echo "wrk -t1 -c32, ${DUR}s after 2s of warm-up; per request, the gateway's threads summed"
+echo
+echo "| serving threads | round | request | requests/s | user µs | system µs | voluntary switches | involuntary switches |"
+echo "|---:|---:|---|---:|---:|---:|---:|---:|"
+for threads in $THREADS; do
+  port=$(free_port) admin=$(free_port)
+  cat >"$WORK/gateway-$threads.yaml" <<YAML
+listen: 127.0.0.1:$port
+admin: { listen: "127.0.0.1:$admin" }
+server: { worker_threads: $threads }
+store:
+  sqlite: { path: $WORK/store-$threads/keys.db }
+$(gateway_routes "$UP")
+YAML
+  "$BIN" serve --config "$WORK/gateway-$threads.yaml" >"$WORK/gateway-$threads.log" 2>&1 &
+  GW_PID=$!
+  wait_answering "$port" /plain/pay "$WORK/gateway-$threads.log"
+  for round in $(seq "$ROUNDS"); do
+    for kind in replay plain; do
+      case $kind in
+        replay) path=/pay key=replayed-$threads-$round ;;
+        plain) path=/plain/pay key=- ;;
+      esac
+      wrk -t1 -c32 -d2s -s "$WORK/request.lua" "http://127.0.0.1:$port" -- "$path" "$BODY" "$key" >/dev/null
+      read -r u0 s0 v0 n0 < <(snapshot)
+      n=$(wrk -t1 -c32 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$port" -- "$path" "$BODY" "$key" |
+        sed -n 's/^ *\([0-9]*\) requests in.*/\1/p')
+      read -r u1 s1 v1 n1 < <(snapshot)
+      [[ -n $n && $n -gt 0 ]] || { echo "serving_threads.sh: wrk completed nothing; the gateway's log:" >&2; tail -20 "$WORK/gateway-$threads.log" >&2; exit 1; }
+      python3 -c "
+n, hz = $n, $HZ
+print(f'| $threads | $round | $kind | {n / $DUR:.0f} | {($u1 - $u0) / hz * 1e6 / n:.2f} | {($s1 - $s0) / hz * 1e6 / n:.2f} | {($v1 - $v0) / n:.3f} | {($n1 - $n0) / n:.3f} |')"
+    done
+  done
+  stop_gateway
+done
