@@ -24,18 +24,11 @@ done
 [[ -x $BIN ]] || { echo "serving_threads.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, stop_nginx,
-# wait_answering, gateway_routes: benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, gateway_routes: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-GW_PID=""
-stop_gateway() {
-  [[ -n $GW_PID ]] || return 0
-  kill "$GW_PID" 2>/dev/null || true
-  wait "$GW_PID" 2>/dev/null || true
-  GW_PID=""
-}
 cleanup() {
-  stop_gateway
+  stop_gateways
   stop_nginx
   wait 2>/dev/null || true
   rm -rf "$WORK"
@@ -47,16 +40,13 @@ start_upstream "$UP" "$STATUS"
 wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
 request_lua "$WORK/request.lua"
 
-# The gateway's user and system ticks and context switches, summed over its threads.
+# The gateway's user and system ticks (its stat counts all its threads) and its threads'
+# voluntary and involuntary context switches.
 snapshot() {
-  local u=0 s=0 v=0 n=0 a b t
-  for t in /proc/"$GW_PID"/task/*; do
-    read -r a b < <(awk '{ print $14, $15 }' "$t/stat")
-    u=$((u + a)) s=$((s + b))
-    v=$((v + $(awk '/^voluntary_ctxt_switches/ { print $2 }' "$t/status")))
-    n=$((n + $(awk '/^nonvoluntary_ctxt_switches/ { print $2 }' "$t/status")))
-  done
-  echo "$u $s $v $n"
+  local ticks
+  ticks=$(awk '{ print $14, $15 }' /proc/"$GW_PID"/stat)
+  echo "$ticks $(cat /proc/"$GW_PID"/task/*/status |
+    awk '/^voluntary_ctxt_switches/ { v += $2 } /^nonvoluntary_ctxt_switches/ { n += $2 } END { print v, n }')"
 }
 
 echo "wrk -t1 -c32, ${DUR}s after 2s of warm-up; per request, the gateway's threads summed"
@@ -75,6 +65,7 @@ $(gateway_routes "$UP")
 YAML
   "$BIN" serve --config "$WORK/gateway-$threads.yaml" >"$WORK/gateway-$threads.log" 2>&1 &
   GW_PID=$!
+  GATEWAYS=("$GW_PID")
   wait_answering "$port" /plain/pay "$WORK/gateway-$threads.log"
   for round in $(seq "$ROUNDS"); do
     for kind in replay plain; do
@@ -93,5 +84,6 @@ n, hz = $n, $HZ
 print(f'| $threads | $round | $kind | {n / $DUR:.0f} | {($u1 - $u0) / hz * 1e6 / n:.2f} | {($s1 - $s0) / hz * 1e6 / n:.2f} | {($v1 - $v0) / n:.3f} | {($n1 - $n0) / n:.3f} |')"
     done
   done
-  stop_gateway
+  stop_gateways
+  wait "$GW_PID" 2>/dev/null || true
 done
