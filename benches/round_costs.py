@@ -29,6 +29,21 @@ server CPU per request follows the chase time (slope and correlation of their lo
 and the gateway's ratios (plain hop, replays, new keys) that those fits give at the same chase time:
 the two sides of a ratio compared on a machine in the same state.
 
+`budget` reads only the results of any number of runs and asks, round by round, whether the
+replays' ratio to the plain hop is lost to CPU or to idle time:
+
+    python3 benches/round_costs.py budget run1.md [run2.md ...]
+
+For gw-passthrough and gw-replay it prints the machine's CPU per request (the server's CPU
+per request plus the load generator's: both share the two cores) and how busy the cores were.
+The ratio of those costs is the replay ratio the round would show if both rows kept the
+machine equally busy; the difference from the measured ratio is the idle time's share.
+
+`ratios` gives each run's four ratios again from the medians of only the rows with at most
+2% steal (a row the hypervisor slowed can move a median either way):
+
+    python3 benches/round_costs.py ratios run1.md [run2.md ...]
+
 `report` takes each measured window from the harness's log (a scenario's start plus its
 2 s warm-up, to its end 10 s later; the defaults of run.sh) and its requests per second from
 the results' per-round rows, and prints per request: each busy thread's CPU (µs) and
@@ -223,6 +238,87 @@ def probe(probe_path, runs, max_steal=2.0):
             print(line)
 
 
+def budget(results_paths, max_steal=2.0):
+    """Per round, the CPU per request of the whole machine and its busy cores for the plain
+    hop and the replays; their ratios measured and at equal busy time."""
+    kept = []
+    for path in results_paths:
+        rows = {}
+        with open(path) as f:
+            for line in f:
+                cells = [c.strip() for c in line.split("|")]
+                if len(cells) > 15 and cells[1] in ("gw-passthrough", "gw-replay"):
+                    try:
+                        rate, server, client = int(cells[3]), float(cells[9]), float(cells[10])
+                        busy = (float(cells[11]) + float(cells[12])) / 2
+                        rows[(cells[1], int(cells[2]))] = (
+                            rate, server + client * 1e4 / rate, busy, float(cells[14])
+                        )
+                    except ValueError:
+                        pass  # an n/a row
+        print(path)
+        for rnd in sorted({r for _, r in rows}):
+            plain, replay = rows.get(("gw-passthrough", rnd)), rows.get(("gw-replay", rnd))
+            if plain is None or replay is None:
+                continue
+            measured, at_equal_busy = replay[0] / plain[0], plain[1] / replay[1]
+            steal = max(plain[3], replay[3])
+            print(
+                f"  round {rnd}: plain {plain[1]:5.1f} us/request, cores {plain[2]:3.0f}% busy;"
+                f" replays {replay[1]:5.1f} us/request, {replay[2]:3.0f}% busy;"
+                f" replays/plain {measured:.2f} measured, {at_equal_busy:.2f} at equal busy;"
+                f" steal {steal:.1f}%"
+            )
+            if steal <= max_steal:
+                kept.append((measured, at_equal_busy, plain[2] - replay[2]))
+    if kept:
+        print(
+            f"{len(kept)} rounds with steal <= {max_steal}%, medians: replays/plain"
+            f" {statistics.median(k[0] for k in kept):.2f} measured,"
+            f" {statistics.median(k[1] for k in kept):.2f} at equal busy;"
+            f" replays' cores {statistics.median(k[2] for k in kept):.0f} points less busy"
+        )
+
+
+def ratios(results_paths, max_steal=2.0):
+    """Each run's plain rate, plain CPU, new keys and replays ratios from the medians of its
+    rows with at most `max_steal`% steal, and how many rows each scenario kept."""
+    asks = (("plain rate", 0.9, 1), ("plain CPU", 1.5, -1), ("new keys", 0.8, 1), ("replays", 2.0, 1))
+    for path in results_paths:
+        rows = {}
+        with open(path) as f:
+            for line in f:
+                cells = [c.strip() for c in line.split("|")]
+                if len(cells) > 15 and re.fullmatch(r"\d+", cells[2]):
+                    try:
+                        rate, cpu, steal = int(cells[3]), float(cells[9]), float(cells[14])
+                    except ValueError:
+                        continue  # an n/a row
+                    if steal <= max_steal:
+                        rows.setdefault(cells[1], []).append((rate, cpu))
+        med = {
+            s: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v), len(v))
+            for s, v in rows.items()
+        }
+        need = ("nginx-proxy", "gw-passthrough", "gw-new-keys", "db-limit", "gw-replay")
+        if not all(s in med for s in need):
+            print(f"{path}: a scenario has no row with steal <= {max_steal}%")
+            continue
+        values = (
+            med["gw-passthrough"][0] / med["nginx-proxy"][0],
+            med["gw-passthrough"][1] / med["nginx-proxy"][1],
+            med["gw-new-keys"][0] / med["db-limit"][0],
+            med["gw-replay"][0] / med["gw-passthrough"][0],
+        )
+        met = sum((v - line) * sign >= 0 for v, (_, line, sign) in zip(values, asks))
+        kept = "/".join(str(med[s][2]) for s in need)
+        print(
+            f"{path}: "
+            + ", ".join(f"{name} {v:.3f}" for v, (name, _, _) in zip(values, asks))
+            + f"; {met} of 4 met; rows kept {kept} ({', '.join(need)})"
+        )
+
+
 def main():
     if len(sys.argv) == 3 and sys.argv[1] == "sample":
         sample(sys.argv[2])
@@ -231,6 +327,10 @@ def main():
         report(sys.argv[2], sys.argv[3], sys.argv[4], wanted)
     elif len(sys.argv) >= 5 and sys.argv[1] == "probe" and len(sys.argv) % 2 == 1:
         probe(sys.argv[2], list(zip(sys.argv[3::2], sys.argv[4::2])))
+    elif len(sys.argv) >= 3 and sys.argv[1] == "budget":
+        budget(sys.argv[2:])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "ratios":
+        ratios(sys.argv[2:])
     else:
         sys.exit(__doc__)
 
