@@ -202,6 +202,11 @@ async fn three_processes(yaml: &str) -> Vec<GatewayProcess> {
     vec![a, b, c]
 }
 
+/// Each process takes 100 of the storm's requests at once on a pool of 8: their claims and
+/// lookups queue for a connection (through PgBouncer, for its server connections too). The
+/// default test bounds (500ms to acquire, 1s per statement) are tight enough that a machine
+/// busy with the other tests can answer one of them 503, as it should; this test is about one
+/// execution and one answer, so it gives the queue room.
 async fn three_hundred_duplicates_across_three_gateway_processes_execute_once(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(500),
@@ -209,6 +214,9 @@ async fn three_hundred_duplicates_across_three_gateway_processes_execute_once(b:
     })
     .await;
     let (yaml, _db) = fresh_config(b, &up.url(), "wait_timeout: 20s").await;
+    let yaml = yaml
+        .patch("acquire_timeout: 500ms", "acquire_timeout: 5s")
+        .patch("statement_timeout: 1s", "statement_timeout: 5s");
     let fleet = three_processes(&yaml).await;
     let urls: Vec<String> = fleet.iter().map(|g| g.url("/pay")).collect();
     let replies = storm(&urls, 300, "storm-300").await;
