@@ -45,10 +45,13 @@ NGINX_MASTERS=()
 # The gateways a script started (their pids), for stop_gateways.
 GATEWAYS=()
 
-# Stops the gateways in GATEWAYS (call it from the script's cleanup).
+# Stops the gateways in GATEWAYS and waits for those this shell started (call it from the
+# script's cleanup, or to stop one before starting the next); empties GATEWAYS.
 stop_gateways() {
   local p
   for p in "${GATEWAYS[@]}"; do kill "$p" 2>/dev/null || true; done
+  for p in "${GATEWAYS[@]}"; do wait "$p" 2>/dev/null || true; done
+  GATEWAYS=()
 }
 
 # Starts an nginx named $1 (its files under $WORK/$1) serving the server blocks $2.
@@ -138,6 +141,13 @@ worker_of() { # master_pid
   done
   echo "nginx $1 has no worker" >&2
   return 1
+}
+
+# Starts the upstream on free ports (sets UP and STATUS) and waits until it answers.
+start_answering_upstream() {
+  UP=$(free_port) STATUS=$(free_port)
+  start_upstream "$UP" "$STATUS"
+  wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
 }
 
 # Waits up to 10 s for `POST $2` on port $1 to answer 2xx; on failure prints the logs $3...

@@ -36,29 +36,19 @@ for bin in "${BINS[@]}"; do
   [[ -x $bin ]] || { echo "instructions.sh: no $bin (cargo build --release)" >&2; exit 2; }
 done
 
-# WORK, free_port: benches/work.sh. BODY, request_lua, start_upstream, stop_nginx,
-# wait_answering, gateway_routes: benches/http.sh.
+# WORK, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets UP),
+# stop_nginx, GATEWAYS and stop_gateways, gateway_routes: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-GW_PID=""
-stop_gateway() {
-  [[ -n $GW_PID ]] || return 0
-  kill "$GW_PID" 2>/dev/null || true
-  wait "$GW_PID" 2>/dev/null || true
-  GW_PID=""
-}
 cleanup() {
-  stop_gateway
+  stop_gateways
   stop_nginx
   wait 2>/dev/null || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
 
-UP=$(free_port) STATUS=$(free_port)
-start_upstream "$UP" "$STATUS"
-wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
-
+start_answering_upstream
 request_lua "$WORK/request.lua"
 
 RUN=0
@@ -83,6 +73,7 @@ YAML
   [[ $(basename "$1") != hyper_floor ]] || cmd=("$1" "127.0.0.1:$port" "127.0.0.1:$UP")
   valgrind --tool=callgrind --callgrind-out-file="$out.%p" "${cmd[@]}" >"$WORK/gateway-$RUN.log" 2>&1 &
   GW_PID=$!
+  GATEWAYS=("$GW_PID")
   for _ in $(seq 600); do
     curl -sf -o /dev/null -X POST "http://127.0.0.1:$port/plain/pay" && break
     sleep 0.1
@@ -92,7 +83,7 @@ YAML
   n=$(wrk -t1 -c8 -d"${DUR}s" -s "$WORK/request.lua" "http://127.0.0.1:$port" -- "$path" "$BODY" "$key" |
     sed -n 's/^ *\([0-9]*\) requests in.*/\1/p')
   callgrind_control -d "$GW_PID" >/dev/null 2>&1
-  stop_gateway
+  stop_gateways
   total=$(callgrind_annotate "$out".*.1 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' | tr -d ,)
   [[ -n $n && -n $total ]] || { echo "instructions.sh: no count for $1 $2; its log:" >&2; tail -20 "$WORK/gateway-$RUN.log" >&2; exit 1; }
   TOTAL=$total N=$n

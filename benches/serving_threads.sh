@@ -23,8 +23,8 @@ for tool in wrk nginx curl python3; do
 done
 [[ -x $BIN ]] || { echo "serving_threads.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
-# WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, stop_nginx,
-# GATEWAYS and stop_gateways, wait_answering, gateway_routes: benches/http.sh.
+# WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets
+# UP), stop_nginx, GATEWAYS and stop_gateways, wait_answering, gateway_routes: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 cleanup() {
@@ -35,9 +35,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-UP=$(free_port) STATUS=$(free_port)
-start_upstream "$UP" "$STATUS"
-wait_answering "$UP" /plain/pay "$WORK"/upstream/error.log
+start_answering_upstream
 request_lua "$WORK/request.lua"
 
 # The gateway's user and system ticks (its stat counts all its threads) and its threads'
@@ -85,5 +83,4 @@ print(f'| $threads | $round | $kind | {n / $DUR:.0f} | {($u1 - $u0) / hz * 1e6 /
     done
   done
   stop_gateways
-  wait "$GW_PID" 2>/dev/null || true
 done
