@@ -54,6 +54,7 @@ sender's system call; a kernel that counts CPU by the tick (no IRQ_TIME_ACCOUNTI
 to whichever thread was running as well, so the threads' sum is about user + system + softirq.
 """
 
+import collections
 import datetime
 import json
 import math
@@ -152,20 +153,37 @@ def report(samples_path, log_path, results_path, wanted):
             )
 
 
+Row = collections.namedtuple("Row", "rate cpu client busy steal")
+
+
+def per_round(results_path):
+    """The results' per-round rows: {(scenario, round): Row}, where cpu is the server CPU per
+    request (us), client the load generator's CPU (% of a core), busy the cores' mean busy %."""
+    rows = {}
+    with open(results_path) as f:
+        for line in f:
+            cells = [c.strip() for c in line.split("|")]
+            if len(cells) > 15 and re.fullmatch(r"\d+", cells[2]) and re.fullmatch(r"\d+", cells[3]):
+                try:
+                    rows[(cells[1], int(cells[2]))] = Row(
+                        int(cells[3]),
+                        float(cells[9]),
+                        float(cells[10]),
+                        (float(cells[11]) + float(cells[12])) / 2,
+                        float(cells[14]),
+                    )
+                except ValueError:
+                    pass  # an n/a row
+    return rows
+
+
 def rounds_of(log_path, results_path):
     """(scenario, round, window start, requests/s, server CPU us/request, steal %) per row."""
     with open(log_path) as f:
         log = f.read()
     with open(results_path) as f:
         results = f.read()
-    rows = {}
-    for line in results.split("\n"):
-        cells = [c.strip() for c in line.split("|")]
-        if len(cells) > 15 and re.fullmatch(r"\d+", cells[2]) and re.fullmatch(r"\d+", cells[3]):
-            try:
-                rows[(cells[1], int(cells[2]))] = (int(cells[3]), float(cells[9]), float(cells[14]))
-            except ValueError:
-                pass  # an n/a row
+    rows = {k: (r.rate, r.cpu, r.steal) for k, r in per_round(results_path).items()}
     when = re.search(r"when: (\d{4}-\d\d-\d\d) ", results)
     day = datetime.date.fromisoformat(when.group(1))
     for m in re.finditer(r"\[perf (\d\d:\d\d:\d\d)\] round (\d+)/\d+: (\S+)", log):
@@ -243,19 +261,11 @@ def budget(results_paths, max_steal=2.0):
     hop and the replays; their ratios measured and at equal busy time."""
     kept = []
     for path in results_paths:
-        rows = {}
-        with open(path) as f:
-            for line in f:
-                cells = [c.strip() for c in line.split("|")]
-                if len(cells) > 15 and cells[1] in ("gw-passthrough", "gw-replay"):
-                    try:
-                        rate, server, client = int(cells[3]), float(cells[9]), float(cells[10])
-                        busy = (float(cells[11]) + float(cells[12])) / 2
-                        rows[(cells[1], int(cells[2]))] = (
-                            rate, server + client * 1e4 / rate, busy, float(cells[14])
-                        )
-                    except ValueError:
-                        pass  # an n/a row
+        rows = {
+            k: (r.rate, r.cpu + r.client * 1e4 / r.rate, r.busy, r.steal)
+            for k, r in per_round(path).items()
+            if k[0] in ("gw-passthrough", "gw-replay")
+        }
         print(path)
         for rnd in sorted({r for _, r in rows}):
             plain, replay = rows.get(("gw-passthrough", rnd)), rows.get(("gw-replay", rnd))
@@ -286,16 +296,9 @@ def ratios(results_paths, max_steal=2.0):
     asks = (("plain rate", 0.9, 1), ("plain CPU", 1.5, -1), ("new keys", 0.8, 1), ("replays", 2.0, 1))
     for path in results_paths:
         rows = {}
-        with open(path) as f:
-            for line in f:
-                cells = [c.strip() for c in line.split("|")]
-                if len(cells) > 15 and re.fullmatch(r"\d+", cells[2]):
-                    try:
-                        rate, cpu, steal = int(cells[3]), float(cells[9]), float(cells[14])
-                    except ValueError:
-                        continue  # an n/a row
-                    if steal <= max_steal:
-                        rows.setdefault(cells[1], []).append((rate, cpu))
+        for (scenario, _), r in per_round(path).items():
+            if r.steal <= max_steal:
+                rows.setdefault(scenario, []).append((r.rate, r.cpu))
         med = {
             s: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v), len(v))
             for s, v in rows.items()
