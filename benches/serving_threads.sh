@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a replay and a plain request cost one gateway by its number of serving threads: CPU and
-# context switches per request, summed over the gateway's threads (BENCHMARKS.md, "Latest").
+# context switches per request, summed over the gateway's threads (BENCHMARKS.md, "Before that:
+# the profile-guided build on a thread per core, and one serving thread or two").
 #
 #   cargo build --release && benches/serving_threads.sh [BIN]     # BIN: target/release/idemgate
 #
