@@ -88,6 +88,15 @@ stop_nginx() {
   for p in "${NGINX_MASTERS[@]}"; do kill "$p" 2>/dev/null || true; done
 }
 
+# The cleanup of a script that starts only gateways and nginx: stops them, waits for them, and
+# removes WORK (`trap cleanup_http EXIT`, or call it last from a cleanup of the script's own).
+cleanup_http() {
+  stop_gateways
+  stop_nginx
+  wait 2>/dev/null || true
+  rm -rf "$WORK"
+}
+
 # The upstream: `POST /pay` and `POST /plain/pay` answer 200 on port $1, stub_status on $2.
 start_upstream() { # port status_port
   start_nginx upstream "
@@ -172,6 +181,20 @@ gateway_store_settings() {
     connect_timeout: 2s
     statement_timeout: 2s
     tls: { mode: disable }
+YAML
+}
+
+# Writes to $1 a benchmark gateway's config: listening on port $2, admin on port $3, the
+# embedded store under directory $4, the routes of gateway_routes to the upstream UP, and the
+# line $5 (say a `server:` block) if given.
+embedded_gateway_config() { # file port admin_port store_dir [line]
+  cat >"$1" <<YAML
+listen: 127.0.0.1:$2
+admin: { listen: "127.0.0.1:$3" }
+${5:-}
+store:
+  sqlite: { path: $4/keys.db }
+$(gateway_routes "$UP")
 YAML
 }
 

@@ -37,16 +37,10 @@ for bin in "${BINS[@]}"; do
 done
 
 # WORK, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets UP),
-# stop_nginx, GATEWAYS and stop_gateways, gateway_routes: benches/http.sh.
+# stop_nginx, GATEWAYS and stop_gateways, cleanup_http, embedded_gateway_config: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-cleanup() {
-  stop_gateways
-  stop_nginx
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+trap cleanup_http EXIT
 
 start_answering_upstream
 request_lua "$WORK/request.lua"
@@ -61,13 +55,7 @@ count() { # bin scenario
     plain) path=/plain/pay key=- ;;
     replay) path=/pay key=replayed-$RUN ;;
   esac
-  cat >"$WORK/gateway-$RUN.yaml" <<YAML
-listen: 127.0.0.1:$port
-admin: { listen: "127.0.0.1:$admin" }
-store:
-  sqlite: { path: $WORK/store-$RUN/keys.db }
-$(gateway_routes "$UP")
-YAML
+  embedded_gateway_config "$WORK/gateway-$RUN.yaml" "$port" "$admin" "$WORK/store-$RUN"
   out=$WORK/callgrind-$RUN
   local -a cmd=("$1" serve --config "$WORK/gateway-$RUN.yaml")
   [[ $(basename "$1") != hyper_floor ]] || cmd=("$1" "127.0.0.1:$port" "127.0.0.1:$UP")

@@ -37,7 +37,7 @@ fi
 ((DUR >= 4)) || { echo "plain_hop_peers.sh: DUR must be at least 4" >&2; exit 2; }
 
 # WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_upstream, start_proxy,
-# stop_nginx, served, worker_of, wait_answering, gateway_routes: benches/http.sh.
+# stop_nginx, served, worker_of, wait_answering, embedded_gateway_config: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 GW_PID="" FLOOR_PID=""
@@ -56,14 +56,7 @@ start_proxy "$PROXY" "$UP"
 
 WORKERS_LINE=""
 [[ -n ${WORKERS:-} ]] && WORKERS_LINE="server: { worker_threads: $WORKERS }"
-cat >"$WORK/gateway.yaml" <<YAML
-listen: 127.0.0.1:$GW
-admin: { listen: 127.0.0.1:$ADMIN }
-$WORKERS_LINE
-store:
-  sqlite: { path: $WORK/store/keys.db }
-$(gateway_routes "$UP")
-YAML
+embedded_gateway_config "$WORK/gateway.yaml" "$GW" "$ADMIN" "$WORK/store" "$WORKERS_LINE"
 "$BIN" serve --config "$WORK/gateway.yaml" >"$WORK/gateway.log" 2>&1 &
 GW_PID=$!
 if [[ ${FLOOR:-0} == 1 ]]; then

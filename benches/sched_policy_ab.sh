@@ -39,7 +39,8 @@ done
 [[ -x $BIN ]] || { echo "sched_policy_ab.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets UP),
-# stop_nginx, GATEWAYS and stop_gateways, wait_answering, gateway_routes: benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, cleanup_http, embedded_gateway_config:
+# benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 WRK=""
@@ -47,10 +48,7 @@ HOG_PIDS=()
 cleanup() {
   [[ -z $WRK ]] || kill "$WRK" 2>/dev/null || true
   for p in "${HOG_PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  stop_gateways
-  stop_nginx
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
+  cleanup_http
 }
 trap cleanup EXIT
 
@@ -89,13 +87,7 @@ for scenario in $SCENARIOS; do
     *) echo "sched_policy_ab.sh: unknown scenario $scenario (replay, plain)" >&2; exit 2 ;;
   esac
   port=$(free_port) admin=$(free_port)
-  cat >"$WORK/gateway-$scenario.yaml" <<YAML
-listen: 127.0.0.1:$port
-admin: { listen: "127.0.0.1:$admin" }
-store:
-  sqlite: { path: $WORK/store-$scenario/keys.db }
-$(gateway_routes "$UP")
-YAML
+  embedded_gateway_config "$WORK/gateway-$scenario.yaml" "$port" "$admin" "$WORK/store-$scenario"
   "$BIN" serve --config "$WORK/gateway-$scenario.yaml" >"$WORK/gateway-$scenario.log" 2>&1 &
   GATEWAYS=($!)
   wait_answering "$port" /plain/pay "$WORK/gateway-$scenario.log"

@@ -25,16 +25,10 @@ done
 [[ -x $BIN ]] || { echo "serving_threads.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, HZ, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets
-# UP), stop_nginx, GATEWAYS and stop_gateways, wait_answering, gateway_routes: benches/http.sh.
+# UP), GATEWAYS, wait_answering, cleanup_http, embedded_gateway_config: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
-cleanup() {
-  stop_gateways
-  stop_nginx
-  wait 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
+trap cleanup_http EXIT
 
 start_answering_upstream
 request_lua "$WORK/request.lua"
@@ -54,14 +48,8 @@ echo "| serving threads | round | request | requests/s | user µs | system µs |
 echo "|---:|---:|---|---:|---:|---:|---:|---:|"
 for threads in $THREADS; do
   port=$(free_port) admin=$(free_port)
-  cat >"$WORK/gateway-$threads.yaml" <<YAML
-listen: 127.0.0.1:$port
-admin: { listen: "127.0.0.1:$admin" }
-server: { worker_threads: $threads }
-store:
-  sqlite: { path: $WORK/store-$threads/keys.db }
-$(gateway_routes "$UP")
-YAML
+  embedded_gateway_config "$WORK/gateway-$threads.yaml" "$port" "$admin" "$WORK/store-$threads" \
+    "server: { worker_threads: $threads }"
   "$BIN" serve --config "$WORK/gateway-$threads.yaml" >"$WORK/gateway-$threads.log" 2>&1 &
   GW_PID=$!
   GATEWAYS=("$GW_PID")
