@@ -751,7 +751,11 @@ impl KeyedWork {
             })
         };
         let mut claimed_at = Instant::now();
-        let first = match gateway.store.claim(claim).await {
+        let claimed = {
+            let _waiting = crate::wake::InFlight::start();
+            gateway.store.claim(claim).await
+        };
+        let first = match claimed {
             Ok(found) => found,
             Err(e) if observe => {
                 tracing::warn!(route = %route.name, key = %id, error = %e, "observe: the store cannot claim; forwarded without idempotency");
@@ -798,6 +802,7 @@ impl KeyedWork {
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
+                let _waiting = crate::wake::InFlight::start();
                 match Box::pin(wait::wait_in_flight(
                     gateway.store.as_ref(),
                     claim,

@@ -6,6 +6,8 @@
 //!   `config/mod.rs` the typed config and loading, `raw.rs` the YAML shapes, `validate.rs`
 //!   one check per section, `units.rs` durations and sizes.
 //! - [`server`]: listener, connection limit, header read timeout, drain and graceful shutdown.
+//! - [`wake`]: what a serving thread does when it wakes (one yield while nothing is in
+//!   flight), and the count of what is in flight.
 //! - [`path`]: path normalization before routing (one request, one spelling).
 //! - [`limits`]: admission bounds: connection slots, upstream slots and buffered bytes.
 //! - [`routing`]: the configuration snapshot in force and its upstream clients.
@@ -75,6 +77,7 @@ pub mod timer;
 pub mod tls;
 pub mod tunnel;
 pub mod wait;
+pub mod wake;
 
 #[cfg(feature = "demo")]
 pub use demo::{lab, process};

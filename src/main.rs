@@ -131,7 +131,11 @@ fn main() -> ExitCode {
     // admin plane and the background tasks); `App::run` starts the others.
     let mut runtime = match serve_config.as_ref().map(|c| &c.server) {
         Some(s) if s.runtime == RuntimeLayout::ThreadPerCore => {
-            tokio::runtime::Builder::new_current_thread()
+            let mut b = tokio::runtime::Builder::new_current_thread();
+            if s.yield_on_wake {
+                b.on_thread_unpark(idemgate::wake::on_wake);
+            }
+            b
         }
         Some(s) => {
             let mut b = tokio::runtime::Builder::new_multi_thread();

@@ -230,6 +230,7 @@ impl ForwardJob {
     /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
     /// our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
+        let _waiting = crate::wake::InFlight::start();
         let written = self
             .store
             .finish(&self.scope, &self.key, &self.token, outcome, ttl)

@@ -128,6 +128,7 @@ impl Serializer {
             return Ok(None);
         };
 
+        let _waiting = crate::wake::InFlight::start();
         let wakeups = store.wakeups();
         let sub = wakeups.subscribe_id(slot_id(scope));
         let mut backoff = wait::Backoff::default();

@@ -439,6 +439,9 @@ async fn handed_to(
 /// the kernel hands each new connection to one of the threads waiting on it, and the thread
 /// that accepts a connection serves it to the end.
 ///
+/// With `server.yield_on_wake` its runtime calls [`crate::wake::on_wake`] each time the
+/// thread wakes up.
+///
 /// Invariant: its runtime lives until [`ServingThread::finish`], after every thread has
 /// drained, so the forwards it started and the store connections it opened outlast the
 /// drain of the threads that may still use them.
@@ -460,9 +463,11 @@ impl ServingThread {
         place: Balanced,
         mut stop: watch::Receiver<bool>,
     ) -> std::io::Result<ServingThread> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
+        let mut runtime = tokio::runtime::Builder::new_current_thread();
+        if cfg.yield_on_wake {
+            runtime.on_thread_unpark(crate::wake::on_wake);
+        }
+        let runtime = runtime.enable_all().build()?;
         let (served_tx, served) = tokio::sync::oneshot::channel();
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()

@@ -148,6 +148,9 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// How those threads share the work (default: a thread per core).
     pub runtime: RuntimeLayout,
+    /// With `thread_per_core`: a serving thread woken while nothing the gateway waits for is
+    /// in flight yields once first, while such yields pay (`wake.rs`). Default on.
+    pub yield_on_wake: bool,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
     pub tls: Option<TlsFiles>,
 }
@@ -833,6 +836,17 @@ routes:
         assert_eq!(a, b);
         let c = Config::from_yaml(&MINIMAL.replace("timeout: 30s", "timeout: 29s")).unwrap();
         assert_ne!(a.upstreams, c.upstreams);
+    }
+
+    #[test]
+    fn yield_on_wake_is_on_unless_turned_off() {
+        assert!(Config::from_yaml(MINIMAL).unwrap().server.yield_on_wake);
+        let yaml = format!("server: {{ yield_on_wake: false }}\n{MINIMAL}");
+        assert!(!Config::from_yaml(&yaml).unwrap().server.yield_on_wake);
+        let e = err(&format!(
+            "server: {{ yield_on_wake: sometimes }}\n{MINIMAL}"
+        ));
+        assert!(e.starts_with("server.yield_on_wake: "), "{e}");
     }
 
     #[test]

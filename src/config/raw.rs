@@ -99,6 +99,10 @@ pub(super) struct RawServer {
     /// each thread runs its own event loop and accepts its own connections) or
     /// `work_stealing` (one tokio runtime whose threads take tasks from each other).
     pub(super) runtime: Option<crate::config::RuntimeLayout>,
+    /// `server.yield_on_wake`: with `thread_per_core`, a serving thread woken while nothing
+    /// the gateway waits for is in flight first lets the task it woke beside run
+    /// (`wake.rs`). Default `true`.
+    pub(super) yield_on_wake: Option<bool>,
     /// `server.tls`: HTTPS on the listener (HTTP/1.1 and h2 by ALPN). Default: none, plain
     /// HTTP (and h2c).
     pub(super) tls: Option<RawServerTls>,

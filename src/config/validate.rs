@@ -139,6 +139,7 @@ fn validate_server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             Some(n) => n,
         },
         runtime: raw.runtime.unwrap_or_default(),
+        yield_on_wake: raw.yield_on_wake.unwrap_or(true),
         tls,
     };
     if server.max_buffered_bytes == 0 {

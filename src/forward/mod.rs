@@ -511,6 +511,7 @@ impl UpstreamClient {
         req: Request<Body>,
         timer: Option<&crate::timer::Spare>,
     ) -> Result<Response<Body>, UpstreamError> {
+        let _waiting = crate::wake::InFlight::start();
         match self.direct_pool(req.method()) {
             Some(pool) => pool.send(req, timer).await,
             None => Ok(self.send(req).await?.map(stream)),
@@ -526,6 +527,7 @@ impl UpstreamClient {
         {
             *req.uri_mut() = self.absolute(None, pq);
         }
+        let _waiting = crate::wake::InFlight::start();
         match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Ok(resp)) => Ok(resp),

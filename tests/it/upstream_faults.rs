@@ -252,3 +252,82 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// `wake.rs` yields a woken serving thread only while nothing the gateway waits for is in
+/// flight: the count must rise while a forward waits, and come back to zero after every way a
+/// request ends (an answer, a timeout, a refusal, waiters on one key, a client that left).
+/// The count is the process's: nextest runs each test in a process of its own.
+#[tokio::test]
+async fn what_the_gateway_waits_for_is_counted_while_it_waits_and_not_after() {
+    use idemgate::wake::InFlight;
+    let (up, proxy, gw) = setup(Fault::Blackhole, "").await;
+    let c = client();
+    assert_eq!(InFlight::count(), 0);
+
+    // A forward the upstream never answers is counted until its timeout ends it.
+    let url = gw.url("/pay");
+    let waiting = tokio::spawn(async move { post_to(&client(), &url, "a", "held", "x").await });
+    let mut seen = 0;
+    for _ in 0..500 {
+        seen = InFlight::count();
+        if seen > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        seen >= 1,
+        "a forward waiting for its upstream was never counted"
+    );
+    assert_eq!(waiting.await.unwrap().status, 504);
+
+    // A client that leaves while its forward waits: the forward goes on to its timeout.
+    let url = gw.url("/pay");
+    let left = tokio::spawn(async move { post_to(&client(), &url, "a", "left", "x").await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    left.abort();
+
+    // Refused, then answered: new keys, their replays, and waiters on one key.
+    proxy.set(Fault::Refuse).await;
+    assert_eq!(post(&c, &gw, "a", "refused", "x").await.status, 502);
+    proxy.set(Fault::Pass).await;
+    up.set(Behavior {
+        delay: Duration::from_millis(300),
+        ..Behavior::default()
+    });
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let url = gw.url("/pay");
+        let key = if i % 2 == 0 {
+            "shared".to_string()
+        } else {
+            format!("own-{i}")
+        };
+        tasks.push(tokio::spawn(async move {
+            post_to(&client(), &url, "a", &key, "x").await.status
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 201);
+    }
+    assert_eq!(
+        up.executions(),
+        11,
+        "one for the shared key, one for each own key"
+    );
+    assert_eq!(post(&c, &gw, "a", "shared", "x").await.status, 201);
+
+    // Everything has ended, the left client's forward too (its timeout is 1 s).
+    let mut left_over = usize::MAX;
+    for _ in 0..500 {
+        left_over = InFlight::count();
+        if left_over == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        left_over, 0,
+        "waits still counted after every request ended"
+    );
+}
