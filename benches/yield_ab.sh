@@ -107,6 +107,9 @@ def run(which):
                           f"http://127.0.0.1:{ports[which]}", "--", path, body, key],
                          check=True, capture_output=True, text=True).stdout
     n1, (t1, s1), (c1, v1) = answered(admins[which]), steal_ticks(), gateway(pids[which])
+    for line in out.splitlines():  # the rate counts every answer: say when some were errors
+        if "Non-2xx" in line or "Socket errors" in line:
+            print(f"{NAMES[which]:>8}: wrk: {line.strip()}", flush=True)
     requests = max(n1 - n0, 1)
     pct = dict(re.findall(r"^\s+(50|90|99)%\s+(\S+)", out, re.M))
     return {"rate": requests / seconds, "cpu": (c1 - c0) / hz * 1e6 / requests,

@@ -118,6 +118,8 @@ impl ForwardJob {
         let limit = idem.max_stored_response;
         let held = &mut self.admission.bytes;
         let exchange = async {
+            // The head and the body read whole: a client waits for both.
+            let _waiting = crate::wake::InFlight::start();
             let resp = upstream.send_streamed(request, None).await?;
             let (parts, body) = resp.into_parts();
             if idem.retry_statuses.contains(parts.status.as_u16()) {
@@ -207,6 +209,8 @@ impl ForwardJob {
     /// it (guarantee 3). A retry that could end after the lease is not started: past it,
     /// another attempt may own the key.
     async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
+        // Its retries' pauses too: the answer waits for them.
+        let _waiting = crate::wake::InFlight::start();
         let mut last = None;
         let bound = self.routing.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {

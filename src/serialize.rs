@@ -119,6 +119,7 @@ impl Serializer {
                 Arc::clone(&entry.turn),
             )
         };
+        let _waiting = crate::wake::InFlight::start();
         let Ok(permit) = tokio::time::timeout_at(deadline, sem.acquire_owned()).await else {
             return Ok(None);
         };
@@ -128,7 +129,6 @@ impl Serializer {
             return Ok(None);
         };
 
-        let _waiting = crate::wake::InFlight::start();
         let wakeups = store.wakeups();
         let sub = wakeups.subscribe_id(slot_id(scope));
         let mut backoff = wait::Backoff::default();
@@ -167,6 +167,7 @@ impl Serializer {
 impl Held {
     /// Frees the slot in the store (waking waiters everywhere), then the local permit.
     pub async fn release(self, store: &dyn Store) {
+        let _waiting = crate::wake::InFlight::start();
         match store.release_slot(&self.slot).await {
             Ok(true) => {}
             Ok(false) => {

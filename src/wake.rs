@@ -16,10 +16,12 @@
 //! When a yield would not pay, and what stops it:
 //! - **Something the gateway waits for is in flight.** The wake-up may be the upstream's
 //!   response or the store's answer, which a client waits for; yielding would only delay it.
-//!   [`InFlight`] counts, process-wide, the forwards waiting for a response head and the
-//!   store round trips and waits of keyed requests; a thread yields only while the count is
-//!   zero, as in a retry storm answered from memory. (A response body that streams after its
-//!   head is not counted.)
+//!   [`InFlight`] counts, process-wide, the forwards waiting for their response (a plain
+//!   forward's head; a keyed forward's head and the body it reads whole) and the store round
+//!   trips and waits of keyed requests (claim, waiting for an in-flight key, recording with
+//!   its retries, a `serialize` slot taken and given back); a thread yields only while the
+//!   count is zero, as in a retry storm answered from memory. (A plain forward's body, which
+//!   streams to the client after its head, is not counted.)
 //! - **A busy neighbour takes the core for its whole slice.** The requests that woke the
 //!   thread then wait milliseconds. Once a window of yields ([`WINDOW`]) has taken
 //!   [`SLOW_BUDGET`] in all, every serving thread stops yielding for [`PAUSE`]: a dozen slow
@@ -40,8 +42,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-/// Forwards waiting for a response head, and store round trips and waits of keyed requests,
-/// across the process. Relaxed: it only decides whether a yield is worth trying.
+/// Forwards waiting for their response, and store round trips and waits of keyed requests,
+/// across the process (the module docs list them). Relaxed: it only decides whether a yield is worth trying.
 static IN_FLIGHT: AtomicUsize = AtomicUsize::new(0);
 
 /// Counts one wait of the gateway (a forward, a store round trip) while it lives.
