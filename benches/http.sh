@@ -198,6 +198,17 @@ $(gateway_routes "$UP")
 YAML
 }
 
+# Sets PATH_ and KEY for scenario $1 of the by-turns scripts: replays (`POST /pay`, one new
+# Idempotency-Key for the run) or plain requests (`POST /plain/pay`, no key); $2 names the
+# caller in the error for another scenario.
+scenario_request() { # scenario caller
+  case $1 in
+    plain) PATH_=/plain/pay KEY=- ;;
+    replay) PATH_=/pay KEY=replayed-$RANDOM ;;
+    *) echo "$2: unknown scenario $1 (replay, plain)" >&2; exit 2 ;;
+  esac
+}
+
 # The gateway configuration's `upstreams` and `routes` for an upstream on port $1: the shared
 # perf harness's two routes, `pay` (`POST /pay`, key from Idempotency-Key, scope from
 # X-Account-Id) and `plain` (`/plain/`, no idempotency).

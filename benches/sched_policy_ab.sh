@@ -39,8 +39,8 @@ done
 [[ -x $BIN ]] || { echo "sched_policy_ab.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets UP),
-# GATEWAYS and stop_gateways, wait_answering, cleanup_http, embedded_gateway_config:
-# benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, cleanup_http, embedded_gateway_config,
+# scenario_request: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 WRK=""
@@ -81,11 +81,8 @@ latency_pairs() { # port path key
 }
 
 for scenario in $SCENARIOS; do
-  case $scenario in
-    plain) path=/plain/pay key=- ;;
-    replay) path=/pay key=replayed-$RANDOM ;;
-    *) echo "sched_policy_ab.sh: unknown scenario $scenario (replay, plain)" >&2; exit 2 ;;
-  esac
+  scenario_request "$scenario" sched_policy_ab.sh
+  path=$PATH_ key=$KEY
   port=$(free_port) admin=$(free_port)
   embedded_gateway_config "$WORK/gateway-$scenario.yaml" "$port" "$admin" "$WORK/store-$scenario"
   "$BIN" serve --config "$WORK/gateway-$scenario.yaml" >"$WORK/gateway-$scenario.log" 2>&1 &

@@ -36,8 +36,8 @@ done
 [[ -x $BIN ]] || { echo "yield_ab.sh: no $BIN (cargo build --release)" >&2; exit 2; }
 
 # WORK, free_port: benches/work.sh. BODY, request_lua, start_answering_upstream (sets UP),
-# GATEWAYS and stop_gateways, wait_answering, cleanup_http, embedded_gateway_config:
-# benches/http.sh.
+# GATEWAYS and stop_gateways, wait_answering, cleanup_http, embedded_gateway_config,
+# scenario_request: benches/http.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/work.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/http.sh"
 HOG_PIDS=()
@@ -65,11 +65,8 @@ for _ in $(seq "$HOGS"); do
 done
 
 for scenario in $SCENARIOS; do
-  case $scenario in
-    plain) path=/plain/pay key=- ;;
-    replay) path=/pay key=replayed-$RANDOM ;;
-    *) echo "yield_ab.sh: unknown scenario $scenario (replay, plain)" >&2; exit 2 ;;
-  esac
+  scenario_request "$scenario" yield_ab.sh
+  path=$PATH_ key=$KEY
   echo "## $scenario (wrk -t1 -c$CONNS, ${SECONDS_PER_RUN}s runs, $HOGS busy loops beside)"
   python3 - "$scenario" "$path" "$key" "$BODY" "$WORK/request.lua" "$ROUNDS" "$SECONDS_PER_RUN" \
     "$CONNS" "$STEAL" "${GATEWAYS[*]}" "${PORTS[*]}" "${ADMINS[*]}" <<'PY'
