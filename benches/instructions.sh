@@ -22,10 +22,17 @@
 # the floor under any hyper-based proxy, in the plain scenario only (it has no keyed route):
 #
 #   benches/instructions.sh target/release/idemgate target/release/examples/hyper_floor
+#
+# SCENARIOS (default "plain replay") picks the scenarios; KEEP=DIR keeps each count's callgrind
+# output as DIR/<binary's directory>-<binary>-<scenario>.out, for `callgrind_annotate` or for
+# comparing two builds function by function.
 set -euo pipefail
 
 DUR=${DUR:-10}
 WARMUP=${WARMUP:-5}
+SCENARIOS=${SCENARIOS:-plain replay}
+KEEP=${KEEP:-}
+[[ -z $KEEP ]] || mkdir -p "$KEEP"
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BINS=("$@")
 ((${#BINS[@]})) || BINS=("$ROOT/target/release/idemgate")
@@ -74,6 +81,7 @@ count() { # bin scenario
   stop_gateways
   total=$(callgrind_annotate "$out".*.1 2>/dev/null | sed -n 's/^ *\([0-9,]*\) .*PROGRAM TOTALS.*/\1/p' | tr -d ,)
   [[ -n $n && -n $total ]] || { echo "instructions.sh: no count for $1 $2; its log:" >&2; tail -20 "$WORK/gateway-$RUN.log" >&2; exit 1; }
+  [[ -z $KEEP ]] || cp "$out".*.1 "$KEEP/$(basename "$(dirname "$1")")-$(basename "$1")-$2.out"
   TOTAL=$total N=$n
 }
 
@@ -82,7 +90,7 @@ echo
 echo "| binary | scenario | requests | instructions per request |"
 echo "|---|---|---:|---:|"
 for bin in "${BINS[@]}"; do
-  for scenario in plain replay; do
+  for scenario in $SCENARIOS; do
     [[ $scenario == plain || $(basename "$bin") != hyper_floor ]] || continue
     count "$bin" "$scenario"
     echo "| $bin | $scenario | $N | $((TOTAL / N)) |"
