@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Two gateways measured by turns: A and B side by side, and short wrk runs that alternate
 # between them, so that a noisy machine's slow minutes fall on both sides. A and B may be two
-# builds, two settings, or both (BENCHMARKS.md, "Latest"; benches/yield_ab.sh is one use).
+# builds, two settings, or both (BENCHMARKS.md, "the release build inlines";
+# benches/yield_ab.sh is one use).
 #
 #   benches/ab.sh BIN_A [BIN_B]      # BIN_B: BIN_A
 #
@@ -15,7 +16,8 @@
 # `idemgate_requests_total`), its CPU time per request, how often its threads slept
 # (voluntary context switches) and the machine's steal time (/proc/stat). It prints every
 # run, and the median over the pairs with at most STEAL (3) percent steal in both runs of
-# A's rate and CPU per request divided by B's.
+# A's rate and CPU per request divided by B's; at the end, how often each gateway's yields
+# paused (`idemgate_yield_pauses_total`).
 #
 # With HOGS=N (default 0), N busy loops run beside the gateways the whole time; use it with
 # CONNS=4 to see what a change costs when a neighbour takes whole slices (the runs also
@@ -32,6 +34,7 @@ STEAL=${STEAL:-3}
 HOGS=${HOGS:-0}
 (($# >= 1 && $# <= 2)) || { echo "usage: benches/ab.sh BIN_A [BIN_B]" >&2; exit 2; }
 BINS=("$1" "${2:-$1}") LINES=("${LINE_A:-}" "${LINE_B:-}") NAMES="${NAME_A:-A} ${NAME_B:-B}"
+NAMES_ARR=("${NAME_A:-A}" "${NAME_B:-B}")
 for tool in wrk nginx curl python3; do
   command -v "$tool" >/dev/null || { echo "ab.sh: $tool is missing" >&2; exit 2; }
 done
@@ -141,4 +144,9 @@ if clean:
         sleeps = statistics.median(p[which]["sleeps"] for p in clean)
         print(f"{name}: the gateway's threads slept {sleeps:.3f} times per request (median)")
 PY
+done
+# How often each gateway's yields paused (a build without the counter prints nothing).
+for side in 0 1; do
+  pauses=$(curl -s "http://127.0.0.1:${ADMINS[$side]}/metrics" | awk '$1 == "idemgate_yield_pauses_total" { print $2 }')
+  [[ -z $pauses ]] || echo "${NAMES_ARR[$side]}: yielding paused $pauses times over the whole run"
 done

@@ -1,7 +1,7 @@
 #!/bin/sh
 # The gateway binary started under SCHED_BATCH, for the shared perf harness's --bin (which runs
 # `BIN migrate` and `BIN serve`, and passes its environment on): every thread the gateway
-# starts inherits the policy (BENCHMARKS.md, "Latest"; docs/operations.md, "CPU scheduling").
+# starts inherits the policy (BENCHMARKS.md, "under SCHED_BATCH"; docs/operations.md, "CPU scheduling").
 #
 #   IDEMGATE_BIN=target/pgo/idemgate ../shared/perf/run.sh --bin benches/sched_batch.sh --rounds 3
 #

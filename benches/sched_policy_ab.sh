@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The gateway's threads under SCHED_OTHER (Linux's default) against SCHED_BATCH, measured by
 # turns inside one run, so that a noisy machine's slow minutes fall on both sides
-# (BENCHMARKS.md, "Latest").
+# (BENCHMARKS.md, "under SCHED_BATCH").
 #
 #   cargo build --release && benches/sched_policy_ab.sh [BIN]     # BIN: target/release/idemgate
 #

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `server.yield_on_wake: true` (the default) against `false` in one build, measured by turns
-# with benches/ab.sh (BENCHMARKS.md, "Latest"; src/wake.rs). Its environment (SCENARIOS,
+# with benches/ab.sh (BENCHMARKS.md, "a woken serving thread yields once"; src/wake.rs). Its environment (SCENARIOS,
 # ROUNDS, RUN_SECONDS, CONNS, STEAL, HOGS) applies.
 #
 #   cargo build --release && benches/yield_ab.sh [BIN]     # BIN: target/release/idemgate

@@ -21,6 +21,7 @@
 //!   refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
 //! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
 //!   a live lease (a possible double, like `taken_over`).
+//! - `idemgate_yield_pauses_total`: the process's pauses of `server.yield_on_wake` (`wake.rs`).
 //! - `idemgate_observed_total{route, outcome}`: on `mode: observe` routes, what enforcing
 //!   would have done with a request that was forwarded instead (see [`observed`]). The
 //!   three series of every observe route exist from the start (at 0), so a rate reads 0,
@@ -454,6 +455,11 @@ impl Metrics {
             "replay_cache_bytes",
             "Bytes held by the replay cache",
             replay_cache_bytes.clone(),
+        );
+        registry.register(
+            "yield_pauses",
+            "Times the serving threads stopped yielding on wake-up for 5 s, their yields having met a neighbour that runs whole slices (server.yield_on_wake)",
+            crate::wake::pauses(),
         );
         registry.register(
             "wakeups_healthy",
