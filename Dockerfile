@@ -14,13 +14,11 @@
 FROM rust:1.95-slim-bookworm AS build
 WORKDIR /src
 
-# Dependencies first, in a layer of their own that only a change to Cargo.toml, Cargo.lock or
-# .cargo/config.toml rebuilds: the manifest, the lock file, the build settings (the compiler
-# flags the release build was measured with), a stand-in for every target the manifest names
+# Dependencies first, in a layer of their own that only a change to Cargo.toml or Cargo.lock
+# rebuilds: the manifest, the lock file, a stand-in for every target the manifest names
 # (cargo refuses a manifest whose library, binary or benches are missing), then every
 # dependency downloaded and compiled.
 COPY Cargo.toml Cargo.lock ./
-COPY .cargo ./.cargo
 RUN mkdir -p src benches \
  && echo 'fn main() {}' > src/main.rs \
  && touch src/lib.rs \

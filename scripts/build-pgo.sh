@@ -41,8 +41,7 @@ OUT=$ROOT/target/pgo
 PROFILES=$OUT/profiles
 
 # --target: RUSTFLAGS then reach only what runs in the binary, not build scripts or macros.
-# RUSTFLAGS replaces .cargo/config.toml's flags (the raised inline threshold of the plain
-# release build): the profile decides what to inline here, as measured in BENCHMARKS.md.
+# The profile decides what to inline here, as measured in BENCHMARKS.md.
 build() { # target_dir rustflags
   (cd "$ROOT" && RUSTFLAGS=$2 cargo build --release --locked --target "$HOST" \
     --target-dir "$1" --bin idemgate)
