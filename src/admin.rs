@@ -256,12 +256,14 @@ fn lookup_error(e: &LookupError) -> Response<Body> {
     let status = match e {
         LookupError::NotFound { .. } => StatusCode::NOT_FOUND,
         LookupError::Ambiguous { .. } | LookupError::UnknownRoute(_) => StatusCode::BAD_REQUEST,
-        LookupError::InFlight { .. } => {
+        LookupError::InFlight { key } => {
             return crate::problem::Problem {
                 status: StatusCode::CONFLICT,
                 slug: "key-in-flight",
                 title: "Key in flight",
-                detail: format!("{e}; add force=true to delete it anyway."),
+                detail: format!(
+                    "Key '{key}' is in flight under a live lease: deleting it lets a retry forward again while the first attempt may still complete (a possible double). Add force=true to delete it anyway."
+                ),
                 retry_after: None,
                 request_id: None,
             }

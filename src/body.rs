@@ -26,11 +26,14 @@ pub(crate) enum RequestBody {
 }
 
 /// Reads a keyed request's body up to `limit`: by `Content-Length` up front (a body that
-/// says it is larger is not read at all), then by count.
+/// says it is larger is not read at all), then by count. What it holds is reserved in `held`
+/// as it arrives, never before: past `server.max_buffered_bytes` it stops with 503
+/// `overloaded`.
 pub(crate) async fn read_body(
     headers: &http::HeaderMap,
     mut body: Incoming,
     limit: usize,
+    held: &mut crate::limits::Reservation,
 ) -> Result<RequestBody, GatewayError> {
     use hyper::body::Body as _;
     if let Some(len) = headers
@@ -45,6 +48,10 @@ pub(crate) async fn read_body(
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| GatewayError::BodyRead(e.to_string()))?;
         if let Ok(data) = frame.into_data() {
+            // Reserved as it arrives, before it is kept.
+            if !held.try_resize(buf.len() + data.len()) {
+                return Err(GatewayError::Overloaded("max_buffered_bytes"));
+            }
             buf.extend_from_slice(&data);
             if buf.len() > limit {
                 let rest = Prefixed {

@@ -6,16 +6,17 @@
 //! `json_canonical`, as canonical JSON: object keys sorted by their UTF-8 bytes, no
 //! insignificant white space, with the `json_ignore` pointers removed first. Numbers keep
 //! their text (serde_json's `arbitrary_precision`), so `0.30000000000000001` and `0.3` differ.
-//! A JSON object with a duplicated member name counts as the last value given, as most
-//! parsers read it.
+//! A body with a repeated member name is not JSON and has no canonical form (key.rs). The
+//! canonical form is written in one walk of the parsed body ([`Json`]), whose objects are
+//! sorted already: linear in its size.
 
 use http::{HeaderMap, Method};
 use std::borrow::Cow;
 
-use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::config::FingerprintConfig;
+use crate::json::{Json, MAX_DEPTH, Node};
 
 /// A SHA-256 digest.
 pub type Fingerprint = [u8; 32];
@@ -56,7 +57,7 @@ pub fn fingerprint(
     path_and_query: &str,
     headers: &HeaderMap,
     body: &[u8],
-    json: Option<&Value>,
+    json: Option<&Json<'_>>,
 ) -> Result<Fingerprint, FingerprintError> {
     let mut h = Sha256::new();
     part(&mut h, method.as_str().as_bytes());
@@ -80,9 +81,9 @@ pub fn fingerprint(
         // the bytes instead of before them, which is as unambiguous for the last part.
         let ignore: Vec<Vec<Cow<'_, str>>> = cfg.json_ignore.iter().map(|p| tokens(p)).collect();
         let ignore: Vec<&[Cow<'_, str>]> = ignore.iter().map(Vec::as_slice).collect();
-        let mut w = HashWriter { h: &mut h, n: 0 };
-        write_canonical(json, &mut w, &ignore);
-        let n = w.n;
+        let mut w = HashWriter::new(&mut h);
+        write_canonical(json, &mut w, &ignore)?;
+        let n = w.finish();
         h.update(n.to_le_bytes());
     } else {
         part(&mut h, body);
@@ -104,17 +105,68 @@ fn tokens(ptr: &str) -> Vec<Cow<'_, str>> {
         .collect()
 }
 
-/// Feeds written bytes to a hash and counts them.
+/// Feeds written bytes to a hash and counts them. Small writes (a name's quotes, an escape
+/// of a string) are gathered first: a hash update per byte or two costs more than the hash.
 struct HashWriter<'a> {
     h: &'a mut Sha256,
     n: u64,
+    buf: [u8; HashWriter::BUFFER],
+    len: usize,
+}
+
+impl<'a> HashWriter<'a> {
+    const BUFFER: usize = 4096;
+
+    fn new(h: &'a mut Sha256) -> Self {
+        HashWriter {
+            h,
+            n: 0,
+            buf: [0; HashWriter::BUFFER],
+            len: 0,
+        }
+    }
+
+    #[inline]
+    fn put(&mut self, bytes: &[u8]) {
+        self.n += bytes.len() as u64;
+        let end = self.len + bytes.len();
+        if end <= Self::BUFFER {
+            self.buf[self.len..end].copy_from_slice(bytes);
+            self.len = end;
+        } else {
+            self.spill(bytes);
+        }
+    }
+
+    #[cold]
+    fn spill(&mut self, bytes: &[u8]) {
+        self.h.update(&self.buf[..self.len]);
+        if bytes.len() >= Self::BUFFER {
+            self.h.update(bytes);
+            self.len = 0;
+        } else {
+            self.buf[..bytes.len()].copy_from_slice(bytes);
+            self.len = bytes.len();
+        }
+    }
+
+    /// Hashes what is buffered; the count of bytes written.
+    fn finish(self) -> u64 {
+        self.h.update(&self.buf[..self.len]);
+        self.n
+    }
 }
 
 impl std::io::Write for HashWriter<'_> {
+    #[inline]
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.h.update(buf);
-        self.n += buf.len() as u64;
+        self.put(buf);
         Ok(buf.len())
+    }
+    #[inline]
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        self.put(buf);
+        Ok(())
     }
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
@@ -123,86 +175,187 @@ impl std::io::Write for HashWriter<'_> {
 
 /// Canonical JSON: object members sorted by the UTF-8 bytes of their names, compact, numbers
 /// as written. `ignore` holds the remaining tokens of the pointers to leave out: a member or
-/// element whose pointer ends here is skipped; deeper ones are passed down.
-pub fn write_canonical<W: std::io::Write>(value: &Value, out: &mut W, ignore: &[&[Cow<'_, str>]]) {
-    let below = |name: &str| -> Option<Vec<&[Cow<'_, str>]>> {
-        let mut deeper = Vec::new();
-        for p in ignore {
-            if let Some((first, rest)) = p.split_first()
-                && first == name
-            {
-                if rest.is_empty() {
-                    return None; // this very member is ignored
-                }
-                deeper.push(rest);
-            }
-        }
-        Some(deeper)
-    };
-    let w = |out: &mut W, bytes: &[u8]| {
-        out.write_all(bytes).expect("writing to a hash cannot fail");
-    };
-    match value {
-        Value::Object(map) => {
-            w(out, b"{");
-            let mut first = true;
-            let mut emit = |out: &mut W, k: &String, v: &Value| {
-                let Some(deeper) = below(k) else { return };
-                if !first {
-                    w(out, b",");
-                }
-                first = false;
-                serde_json::to_writer(&mut *out, k).expect("writing to a hash cannot fail");
-                w(out, b":");
-                write_canonical(v, out, &deeper);
-            };
-            // serde_json's default map iterates in sorted order already; if a build enables
-            // `preserve_order`, sort here.
-            let sorted = map
-                .keys()
-                .zip(map.keys().skip(1))
-                .all(|(a, b)| a.as_bytes() < b.as_bytes());
-            if sorted {
-                for (k, v) in map {
-                    emit(out, k, v);
-                }
-            } else {
-                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-                entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
-                for (k, v) in entries {
-                    emit(out, k, v);
-                }
-            }
-            w(out, b"}");
-        }
-        Value::Array(items) => {
-            w(out, b"[");
-            let mut first = true;
-            for (i, v) in items.iter().enumerate() {
-                let deeper = if ignore.is_empty() {
-                    Some(Vec::new())
-                } else {
-                    below(&i.to_string())
-                };
-                let Some(deeper) = deeper else { continue };
-                if !first {
-                    w(out, b",");
-                }
-                first = false;
-                write_canonical(v, out, &deeper);
-            }
-            w(out, b"]");
-        }
-        scalar => serde_json::to_writer(&mut *out, scalar).expect("writing to a hash cannot fail"),
+/// element whose pointer ends here is skipped; deeper ones are passed down. A value nested
+/// deeper than [`MAX_DEPTH`] is refused (the recursion is bounded whatever the document), as
+/// is one the writer does not take.
+pub fn write_canonical<W: std::io::Write>(
+    doc: &Json<'_>,
+    out: &mut W,
+    ignore: &[&[Cow<'_, str>]],
+) -> Result<(), FingerprintError> {
+    canonical(doc, doc.root(), out, ignore, 0).map_err(|_| FingerprintError::NotJson)
+}
+
+/// A value nested deeper than [`MAX_DEPTH`], or a writer that failed.
+struct Unwritten;
+
+impl From<std::io::Error> for Unwritten {
+    fn from(_: std::io::Error) -> Unwritten {
+        Unwritten
     }
+}
+
+impl From<serde_json::Error> for Unwritten {
+    fn from(_: serde_json::Error) -> Unwritten {
+        Unwritten
+    }
+}
+
+/// [`write_canonical`] of a value inside `depth` arrays and objects.
+fn canonical<W: std::io::Write>(
+    doc: &Json<'_>,
+    node: &Node<'_>,
+    out: &mut W,
+    ignore: &[&[Cow<'_, str>]],
+    depth: usize,
+) -> Result<(), Unwritten> {
+    match node {
+        Node::Null => out.write_all(b"null")?,
+        Node::Bool(true) => out.write_all(b"true")?,
+        Node::Bool(false) => out.write_all(b"false")?,
+        // The text serde_json keeps for an integer that fits is its decimal form.
+        Node::U64(n) => write_integer(out, false, *n)?,
+        Node::I64(n) => write_integer(out, *n < 0, n.unsigned_abs())?,
+        Node::Number(n) => serde_json::to_writer(&mut *out, n)?,
+        Node::Str(s) => write_str(out, s)?,
+        Node::Object(span) => {
+            if depth >= MAX_DEPTH {
+                return Err(Unwritten);
+            }
+            out.write_all(b"{")?;
+            let mut first = true;
+            // Sorted by the bytes of their names already (`Json::members`).
+            for (name, value) in doc.members(*span) {
+                let deeper = if ignore.is_empty() {
+                    Vec::new()
+                } else {
+                    match below(ignore, name) {
+                        Some(deeper) => deeper,
+                        None => continue, // this very member is ignored
+                    }
+                };
+                if !first {
+                    out.write_all(b",")?;
+                }
+                first = false;
+                write_str(out, name)?;
+                out.write_all(b":")?;
+                canonical(doc, value, out, &deeper, depth + 1)?;
+            }
+            out.write_all(b"}")?;
+        }
+        Node::Array(span) => {
+            if depth >= MAX_DEPTH {
+                return Err(Unwritten);
+            }
+            out.write_all(b"[")?;
+            // Only a pointer whose next token is an array index (`0`, or digits without a
+            // leading zero) can name an element; an element's index is written out only
+            // while such a pointer remains.
+            let ignore: Vec<&[Cow<'_, str>]> = ignore
+                .iter()
+                .copied()
+                .filter(|p| p.first().is_some_and(|t| is_index(t)))
+                .collect();
+            let mut index = String::new();
+            let mut first = true;
+            for (i, value) in doc.items(*span).iter().enumerate() {
+                let deeper = if ignore.is_empty() {
+                    Vec::new()
+                } else {
+                    use std::fmt::Write as _;
+                    index.clear();
+                    let _ = write!(index, "{i}");
+                    match below(&ignore, &index) {
+                        Some(deeper) => deeper,
+                        None => continue,
+                    }
+                };
+                if !first {
+                    out.write_all(b",")?;
+                }
+                first = false;
+                canonical(doc, value, out, &deeper, depth + 1)?;
+            }
+            out.write_all(b"]")?;
+        }
+    }
+    Ok(())
+}
+
+/// An integer in decimal, `-` first if `negative`.
+fn write_integer<W: std::io::Write>(
+    out: &mut W,
+    negative: bool,
+    mut n: u64,
+) -> Result<(), Unwritten> {
+    let mut digits = [0u8; 21];
+    let mut at = digits.len();
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    if negative {
+        at -= 1;
+        digits[at] = b'-';
+    }
+    out.write_all(&digits[at..])?;
+    Ok(())
+}
+
+/// A string as serde_json writes it: quoted, with `"`, `\` and control characters escaped
+/// (nothing else). Most strings have none of those and are written as they are.
+fn write_str<W: std::io::Write>(out: &mut W, s: &str) -> Result<(), Unwritten> {
+    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+        serde_json::to_writer(&mut *out, s)?;
+    } else {
+        out.write_all(b"\"")?;
+        out.write_all(s.as_bytes())?;
+        out.write_all(b"\"")?;
+    }
+    Ok(())
+}
+
+/// The pointers that go on below the member or element `name`; `None` if one ends there (it
+/// is left out). No allocation while there are none.
+fn below<'p, 'c>(ignore: &[&'p [Cow<'c, str>]], name: &str) -> Option<Vec<&'p [Cow<'c, str>]>> {
+    let mut deeper = Vec::new();
+    for p in ignore {
+        if let Some((first, rest)) = p.split_first()
+            && first == name
+        {
+            if rest.is_empty() {
+                return None;
+            }
+            deeper.push(rest);
+        }
+    }
+    Some(deeper)
+}
+
+/// Whether a pointer token is an array index: `0`, or digits without a leading zero.
+fn is_index(token: &str) -> bool {
+    let b = token.as_bytes();
+    !b.is_empty() && b.iter().all(u8::is_ascii_digit) && (b[0] != b'0' || b.len() == 1)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use bytes::Bytes;
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    use crate::json::tests::{json_text, nested_doc};
+    use crate::key::JsonBody;
 
     fn fp(cfg: &FingerprintConfig, body: &str) -> Fingerprint {
-        let json: Option<Value> = serde_json::from_str(body).ok();
+        let raw = Bytes::from(body.to_owned());
+        let mut json = JsonBody::new(&raw);
         fingerprint(
             cfg,
             &Method::POST,
@@ -210,9 +363,98 @@ mod tests {
             "/p?q=1",
             &HeaderMap::new(),
             body.as_bytes(),
-            json.as_ref(),
+            json.value(),
         )
         .unwrap()
+    }
+
+    /// The canonical form of a JSON text, without the members and elements `ignore` names.
+    fn canon(text: &str, ignore: &[&str]) -> String {
+        let raw = Bytes::from(text.to_owned());
+        let mut json = JsonBody::new(&raw);
+        let ign: Vec<Vec<Cow<'_, str>>> = ignore.iter().map(|p| tokens(p)).collect();
+        let ign: Vec<&[Cow<'_, str>]> = ign.iter().map(Vec::as_slice).collect();
+        let mut out = Vec::new();
+        write_canonical(json.get().unwrap(), &mut out, &ign).unwrap();
+        String::from_utf8(out).unwrap()
+    }
+
+    /// The canonical form as this module wrote it from a `serde_json::Value` before it had a
+    /// document of its own: what the fingerprints stored so far were computed from.
+    fn reference(value: &Value, out: &mut Vec<u8>, ignore: &[&[Cow<'_, str>]]) {
+        let below = |name: &str| -> Option<Vec<&[Cow<'_, str>]>> {
+            let mut deeper = Vec::new();
+            for p in ignore {
+                if let Some((first, rest)) = p.split_first()
+                    && first == name
+                {
+                    if rest.is_empty() {
+                        return None;
+                    }
+                    deeper.push(rest);
+                }
+            }
+            Some(deeper)
+        };
+        match value {
+            Value::Object(map) => {
+                out.push(b'{');
+                let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+                entries.sort_unstable_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+                let mut first = true;
+                for (k, v) in entries {
+                    let Some(deeper) = below(k) else { continue };
+                    if !first {
+                        out.push(b',');
+                    }
+                    first = false;
+                    serde_json::to_writer(&mut *out, k).unwrap();
+                    out.push(b':');
+                    reference(v, out, &deeper);
+                }
+                out.push(b'}');
+            }
+            Value::Array(items) => {
+                out.push(b'[');
+                let mut first = true;
+                for (i, v) in items.iter().enumerate() {
+                    let Some(deeper) = below(&i.to_string()) else {
+                        continue;
+                    };
+                    if !first {
+                        out.push(b',');
+                    }
+                    first = false;
+                    reference(v, out, &deeper);
+                }
+                out.push(b']');
+            }
+            scalar => serde_json::to_writer(&mut *out, scalar).unwrap(),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn the_canonical_form_is_the_one_fingerprints_were_computed_from(
+            text in json_text(),
+            ignore in prop::sample::subsequence(
+                vec!["/a", "/b", "/0", "/1", "/a/0", "/a/a", "/0/b", "/1/0", "/", "/é"],
+                0..4,
+            ),
+        ) {
+            let raw = Bytes::from(text.clone());
+            let mut json = JsonBody::new(&raw);
+            if let Some(doc) = json.value() {
+                let value: Value = serde_json::from_str(&text).unwrap();
+                let ign: Vec<Vec<Cow<'_, str>>> = ignore.iter().map(|p| tokens(p)).collect();
+                let ign: Vec<&[Cow<'_, str>]> = ign.iter().map(Vec::as_slice).collect();
+                let mut want = Vec::new();
+                reference(&value, &mut want, &ign);
+                let mut got = Vec::new();
+                write_canonical(doc, &mut got, &ign).unwrap();
+                prop_assert_eq!(String::from_utf8(got).unwrap(), String::from_utf8(want).unwrap());
+            }
+        }
     }
 
     #[test]
@@ -232,18 +474,24 @@ mod tests {
 
     #[test]
     fn canonical_form_is_sorted_compact_and_skips_ignored_members() {
-        let v: Value = serde_json::from_str(
-            r#"{ "b": [1, {"y": 2, "x": 1}], "a": "s", "skip": {"deep": 1}, "keep": {"deep": 1, "d2": 2} }"#,
-        )
-        .unwrap();
-        let ign = [tokens("/skip"), tokens("/keep/deep"), tokens("/b/0")];
-        let ign: Vec<&[Cow<'_, str>]> = ign.iter().map(Vec::as_slice).collect();
-        let mut out = Vec::new();
-        write_canonical(&v, &mut out, &ign);
         assert_eq!(
-            String::from_utf8(out).unwrap(),
+            canon(
+                r#"{ "b": [1, {"y": 2, "x": 1}], "a": "s", "skip": {"deep": 1}, "keep": {"deep": 1, "d2": 2} }"#,
+                &["/skip", "/keep/deep", "/b/0"],
+            ),
             r#"{"a":"s","b":[{"x":1,"y":2}],"keep":{"d2":2}}"#
         );
+        // Names sort by their bytes once unescaped; strings and numbers are written as
+        // serde_json writes them (`1E2` as serde_json keeps it).
+        assert_eq!(
+            canon(
+                r#"{"\u00e9":1,"z":-0,"\u0041":"\u00e9\/\n","":[1E2,-0.0,18446744073709551616]}"#,
+                &[]
+            ),
+            "{\"\":[1e+2,-0.0,18446744073709551616],\"A\":\"é/\\n\",\"z\":-0,\"é\":1}"
+        );
+        let integers = "[0,-1,7,-9223372036854775808,9223372036854775807,18446744073709551615]";
+        assert_eq!(canon(integers, &[]), integers);
         assert_eq!(tokens("/a~1b/c~0d"), vec!["a/b", "c~d"]);
     }
 
@@ -261,6 +509,71 @@ mod tests {
             fp(&canon, r#"{"n":123456789012345678901234567890}"#),
             fp(&canon, r#"{"n":123456789012345678901234567891}"#)
         );
+    }
+
+    #[test]
+    fn canonical_form_is_bounded_in_depth() {
+        let mut out = Vec::new();
+        write_canonical(&nested_doc(MAX_DEPTH), &mut out, &[]).unwrap();
+        assert_eq!(out.len(), 2 * MAX_DEPTH + 4);
+        for depth in [MAX_DEPTH + 1, 100_000] {
+            let deep = nested_doc(depth);
+            assert_eq!(
+                write_canonical(&deep, &mut Vec::new(), &[]),
+                Err(FingerprintError::NotJson)
+            );
+        }
+        let cfg = FingerprintConfig {
+            json_canonical: true,
+            ..Default::default()
+        };
+        let run = |depth: usize| {
+            let doc = nested_doc(depth);
+            fingerprint(
+                &cfg,
+                &Method::POST,
+                "r",
+                "/",
+                &HeaderMap::new(),
+                b"",
+                Some(&doc),
+            )
+        };
+        assert!(run(MAX_DEPTH).is_ok());
+        assert_eq!(run(MAX_DEPTH + 1), Err(FingerprintError::NotJson));
+    }
+
+    #[test]
+    fn the_hash_writer_buffers_without_changing_the_hash() {
+        // A string of escapes is written a byte or two at a time; a long one in one piece.
+        let text = format!(
+            r#"{{"e":"{}","long":"{}","n":[1,2.5]}}"#,
+            r#"\n\t\""#.repeat(5000),
+            "x".repeat(3 * HashWriter::BUFFER)
+        );
+        let raw = Bytes::from(text);
+        let mut json = JsonBody::new(&raw);
+        let doc = json.get().unwrap();
+        let mut plain = Vec::new();
+        write_canonical(doc, &mut plain, &[]).unwrap();
+        let mut h = Sha256::new();
+        let mut w = HashWriter::new(&mut h);
+        write_canonical(doc, &mut w, &[]).unwrap();
+        assert_eq!(w.finish(), plain.len() as u64);
+        assert_eq!(<[u8; 32]>::from(h.finalize()), sha256(&plain));
+    }
+
+    #[test]
+    fn ignored_array_elements_are_named_by_their_index() {
+        assert_eq!(
+            canon(
+                r#"{"a": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, {"x": 1, "y": 2}]}"#,
+                &["/a/1", "/a/01", "/a/10", "/a/11/x"],
+            ),
+            r#"{"a":[0,2,3,4,5,6,7,8,9,{"y":2}]}"#
+        );
+        assert!(is_index("0") && is_index("10") && !is_index("01") && !is_index("-1"));
+        assert!(!is_index("") && !is_index("1a"));
     }
 
     #[test]

@@ -297,31 +297,43 @@ impl Gateway {
     /// Admits a request to `upstream` with `bytes` of body to buffer (`None`: a streamed
     /// forward, which buffers nothing), or refuses it (SPEC 8.2): nothing has been read,
     /// claimed or forwarded yet.
-    fn admit(
+    /// Admits a request: with an upstream slot when it is forwarded as it comes
+    /// (`buffered: false`), without one when it is keyed (it takes one once it has claimed
+    /// its key, `Gateway::forward_slot`); with a reservation of the byte budget that grows as
+    /// its body arrives when it is buffered. Refused while either bound is reached.
+    fn admit(&self, upstream: &UpstreamClient, buffered: bool) -> Result<Admission, GatewayError> {
+        let name = &upstream.config.name;
+        let slot = if buffered {
+            None
+        } else {
+            let slot = upstream.limit.try_acquire();
+            if slot.is_none() {
+                self.metrics.refused(name, "max_in_flight");
+                return Err(GatewayError::Overloaded("max_in_flight"));
+            }
+            slot
+        };
+        let bytes = if buffered {
+            self.budget.try_reserve(0)
+        } else {
+            self.budget.admit_unbuffered()
+        };
+        let Some(bytes) = bytes else {
+            self.metrics.refused(name, "max_buffered_bytes");
+            return Err(GatewayError::Overloaded("max_buffered_bytes"));
+        };
+        Ok(Admission { slot, bytes })
+    }
+
+    /// The upstream slot of a buffered request about to be forwarded (see [`Gateway::admit`]).
+    fn forward_slot(
         &self,
         upstream: &UpstreamClient,
-        bytes: Option<usize>,
-    ) -> Result<Admission, GatewayError> {
-        let refuse = |bound: &'static str| {
-            self.metrics
-                .overloaded
-                .get_or_create(&crate::metrics::UpstreamBound {
-                    upstream: upstream.config.name.clone(),
-                    bound,
-                })
-                .inc();
-            GatewayError::Overloaded(bound)
-        };
-        let slot = upstream
-            .limit
-            .try_acquire()
-            .ok_or_else(|| refuse("max_in_flight"))?;
-        let bytes = match bytes {
-            Some(n) => self.budget.try_reserve(n),
-            None => self.budget.admit_unbuffered(),
-        }
-        .ok_or_else(|| refuse("max_buffered_bytes"))?;
-        Ok(Admission { slot, bytes })
+        admission: &mut Admission,
+    ) -> Result<(), GatewayError> {
+        admission
+            .take_slot(&upstream.limit, &upstream.config.name, &self.metrics)
+            .map_err(GatewayError::Overloaded)
     }
 
     /// The bytes held by request bodies and captured responses now.
@@ -502,15 +514,19 @@ impl Gateway {
         connection: Option<crate::limits::ConnectionSlot>,
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
+        check_request_line(&req)?;
         let raw = req.uri().path();
-        let normal = crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?;
-        let index = routing
-            .config
-            .route_index_for(req.method(), &normal)
-            .ok_or(GatewayError::NoRoute)?;
+        // `OPTIONS *` is routed as the root and forwarded in asterisk form.
+        let asterisk = raw == "*";
+        let normal = if asterisk {
+            std::borrow::Cow::Borrowed("/")
+        } else {
+            crate::path::normalize(raw).map_err(|_| GatewayError::PathInvalid)?
+        };
+        let index = routing.route_index(req.method(), &normal)?;
         let route = &routing.config.routes[index];
         let canonical = route.path.canonical(&normal);
-        if canonical != raw {
+        if canonical != raw && !asterisk {
             let uri = with_path(req.uri(), canonical);
             *req.uri_mut() = uri;
         }
@@ -521,23 +537,13 @@ impl Gateway {
             .expect("validated config: every route names an upstream");
         match &route.idempotency {
             Some(idem) if idem.methods.contains(req.method()) => {
-                // The body is buffered: reserve what it says it is (up to the route's limit,
-                // past which it is refused unread), or the whole limit when it does not say.
-                let declared = req
-                    .headers()
-                    .get(header::CONTENT_LENGTH)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<u64>().ok());
-                let reserve = declared.map_or(idem.max_request_body, |n| {
-                    usize::try_from(n)
-                        .map_or(idem.max_request_body, |n| n.min(idem.max_request_body))
-                });
-                let admission = self.admit(upstream, Some(reserve))?;
+                // The body is buffered: its bytes are reserved as they arrive.
+                let admission = self.admit(upstream, true)?;
                 self.keyed(routing, route, idem, upstream, req, client, log, admission)
                     .await
             }
             _ => {
-                let admission = self.admit(upstream, None)?;
+                let admission = self.admit(upstream, false)?;
                 let upgrade = crate::tunnel::requested(&req, &upstream.config)
                     .map(|protocols| (protocols, hyper::upgrade::on(&mut req)));
                 let (parts, body) = req.into_parts();
@@ -586,16 +592,27 @@ impl Gateway {
         let body = crate::timer::timeout(
             Some(&client.timer),
             limit,
-            read_body(&parts.headers, body, idem.max_request_body),
+            read_body(
+                &parts.headers,
+                body,
+                idem.max_request_body,
+                &mut admission.bytes,
+            ),
         )
         .await
-        .map_err(|_| GatewayError::BodyTimeout(limit))??;
+        .map_err(|_| GatewayError::BodyTimeout(limit))?
+        .inspect_err(|e| {
+            if let GatewayError::Overloaded(bound) = e {
+                self.metrics.refused(&upstream.config.name, bound);
+            }
+        })?;
         let too_large = GatewayError::BodyTooLarge {
             limit: idem.max_request_body,
         };
         let body = match body {
             RequestBody::Whole(body) => body,
             RequestBody::TooLarge(rest) if observe => {
+                self.forward_slot(upstream, &mut admission)?;
                 return Box::pin(forward_unkeyed(
                     route, upstream, parts, rest, client, log, admission, too_large,
                 ))
@@ -605,15 +622,18 @@ impl Gateway {
         };
         admission.bytes.resize(body.len());
         log.bytes_in = Some(body.len() as u64);
-        let (KeyScope { key, scope }, fp, settled) = match key_request(route, idem, &parts, &body) {
+        let keyed = key_request(routing, route, idem, &parts, &body).await;
+        let (KeyScope { key, scope }, fp, settled) = match keyed {
             Ok(Some(keyed)) => keyed,
             Ok(None) => {
                 // No key and none required: a plain forward.
+                self.forward_slot(upstream, &mut admission)?;
                 let out = upstream.prepare(parts, full(body), client, None);
                 let timer = Some(&client.timer);
                 return Box::pin(proxy(upstream, out, log, admission, timer)).await;
             }
             Err(e) if observe => {
+                self.forward_slot(upstream, &mut admission)?;
                 return Box::pin(forward_unkeyed(
                     route,
                     upstream,
@@ -641,10 +661,11 @@ impl Gateway {
         {
             log.key_id = Some(id);
             log.outcome = outcome::REPLAYED;
-            return Ok(hit.to_replay());
+            return self.hold_answer(hit.to_replay(), admission.bytes, true, log);
         }
         if let Err(e) = refuse_ambiguous(&parts, &body, settled) {
             if observe {
+                self.forward_slot(upstream, &mut admission)?;
                 let body = full(body);
                 return Box::pin(forward_unkeyed(
                     route, upstream, parts, body, client, log, admission, e,
@@ -654,6 +675,7 @@ impl Gateway {
             return Err(e);
         }
         log.key_id = Some(id.clone());
+        let answer_bytes = Arc::new(std::sync::Mutex::new(None));
         // From the claim on, the work runs in its own task: a client that hangs up while the
         // claim is in the database (or while waiting for a duplicate) cannot leave a claimed
         // key without a forward; the forward still happens and its answer is stored.
@@ -670,6 +692,7 @@ impl Gateway {
             fp,
             cache_epoch: cache.map(|(_, epoch)| epoch),
             admission,
+            answer_bytes: Arc::clone(&answer_bytes),
         };
         // Awaited by its handle: dropping the handle (the client hung up) does not cancel it.
         // Boxed: `tokio::spawn` moves its future whole several times and writes the task's
@@ -677,7 +700,39 @@ impl Gateway {
         let (result, outcome, upstream_took) = joined(tokio::spawn(Box::pin(work.run())).await);
         log.outcome = outcome;
         log.upstream = upstream_took;
-        result
+        let held = answer_bytes.lock().expect("answer bytes lock").take();
+        match (result, held) {
+            (Ok(resp), Some(bytes)) => {
+                let replay = outcome == outcome::REPLAYED || outcome == outcome::COALESCED;
+                self.hold_answer(resp, bytes, replay, log)
+            }
+            (result, _) => result,
+        }
+    }
+
+    /// Counts an answer held in memory in the byte budget until it is written to the client
+    /// (the reservation goes with the response body, `access::Logged`). A replay is refused
+    /// past the bound (503 `overloaded`: nothing was executed for it); a first answer was,
+    /// so it is always held, overdrawing the budget if it must.
+    fn hold_answer(
+        &self,
+        resp: Response<Body>,
+        mut bytes: crate::limits::Reservation,
+        replay: bool,
+        log: &mut RequestLog,
+    ) -> Result<Response<Body>, GatewayError> {
+        use hyper::body::Body as _;
+        let size = resp.body().size_hint().exact().unwrap_or(0);
+        let size = usize::try_from(size).unwrap_or(usize::MAX);
+        if replay {
+            if !bytes.try_resize(size) {
+                return Err(GatewayError::Overloaded("max_buffered_bytes"));
+            }
+        } else {
+            bytes.resize(size);
+        }
+        log.held = Some(Admission { slot: None, bytes });
+        Ok(resp)
     }
 }
 
@@ -694,8 +749,13 @@ struct KeyedWork {
     id: String,
     fp: Fingerprint,
     cache_epoch: Option<u64>,
-    /// The upstream slot and buffered bytes, held until this task ends.
+    /// The buffered bytes (and, once forwarded, the upstream slot), held until this task
+    /// ends.
     admission: Admission,
+    /// Where the task leaves its byte reservation when its answer is held in memory (a first
+    /// answer captured for the store, or a replay), for `Gateway::keyed` to hold until the
+    /// answer is written.
+    answer_bytes: Arc<std::sync::Mutex<Option<crate::limits::Reservation>>>,
 }
 
 /// What a keyed request ended as: the answer, its outcome name, the upstream's time.
@@ -719,7 +779,8 @@ impl KeyedWork {
             id,
             fp,
             cache_epoch,
-            admission,
+            mut admission,
+            answer_bytes,
         } = self;
         let (route, idem, upstream) = routing
             .route(&name)
@@ -759,10 +820,16 @@ impl KeyedWork {
             Ok(found) => found,
             Err(e) if observe => {
                 tracing::warn!(route = %route.name, key = %id, error = %e, "observe: the store cannot claim; forwarded without idempotency");
+                if let Err(e) = gateway.forward_slot(upstream, &mut admission) {
+                    return (Err(e), outcome::OVERLOADED, None);
+                }
                 return forward_observed(outcome::BYPASSED, parts, body, admission).await;
             }
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
                 tracing::warn!(route = %route.name, error = %e, "store unavailable; forwarding without idempotency");
+                if let Err(e) = gateway.forward_slot(upstream, &mut admission) {
+                    return (Err(e), outcome::OVERLOADED, None);
+                }
                 let out = upstream.prepare(parts, full(body), &client, None);
                 let mut log = RequestLog::new(outcome::BYPASSED);
                 let result = Box::pin(proxy(upstream, out, &mut log, admission, None))
@@ -788,6 +855,9 @@ impl KeyedWork {
             if let Some(would) = would {
                 gateway.metrics.observed(&route.name, would);
                 tracing::info!(route = %route.name, key = %id, observed = would, "observe: forwarded a request that enforcing would not have forwarded");
+                if let Err(e) = gateway.forward_slot(upstream, &mut admission) {
+                    return (Err(e), outcome::OVERLOADED, None);
+                }
                 return forward_observed(outcome::OBSERVED, parts, body, admission).await;
             }
         }
@@ -856,7 +926,8 @@ impl KeyedWork {
                 // Counted as a running job (shutdown waits for it) until its outcome is written.
                 let _guard = gateway.jobs.start();
                 let mut took = None;
-                let result = job.run(request, &mut took).await;
+                let (result, bytes) = job.run(request, &mut took).await;
+                *answer_bytes.lock().expect("answer bytes lock") = Some(bytes);
                 (result, outcome::FORWARDED, took)
             }
             Claim::Completed(stored, expires_in) => {
@@ -864,7 +935,7 @@ impl KeyedWork {
                 // Only a body without a repeated member (or not JSON) enters the cache: a hit
                 // skips the repeated-member check (`refuse_ambiguous`).
                 if let Some(epoch) = cache_epoch
-                    && crate::key::has_duplicate_member(&body) != Some(true)
+                    && crate::json::has_duplicate_member(&body) != Some(true)
                 {
                     gateway.store.wakeups().cache_fill(
                         epoch,
@@ -879,6 +950,7 @@ impl KeyedWork {
                 } else {
                     outcome::REPLAYED
                 };
+                *answer_bytes.lock().expect("answer bytes lock") = Some(admission.bytes);
                 (Ok(replay), name, None)
             }
             Claim::Mismatch => (
@@ -905,43 +977,125 @@ impl KeyedWork {
     }
 }
 
+/// What is refused before a request is routed: a method `routing::check_method` refuses,
+/// and an HTTP/1.1 request without `Host` (RFC 9112 section 3.2).
+fn check_request_line<B>(req: &Request<B>) -> Result<(), GatewayError> {
+    crate::routing::check_method(req.method())?;
+    if req.version() == http::Version::HTTP_11 && !req.headers().contains_key(header::HOST) {
+        return Err(GatewayError::HostMissing);
+    }
+    Ok(())
+}
+
 /// The key, scope and fingerprint of a keyed request; `None` when it has no key and the
 /// route does not require one. Every error is the client's: the request cannot be keyed.
-fn key_request(
+///
+/// Reading a body is linear in its size (key.rs), but a large one still takes a while: over
+/// `INLINE` bytes it is read on a blocking thread, so that the serving thread goes on with
+/// its other connections meanwhile, and the repeated-member check runs there too (`settled`
+/// is then true). Running the check before the replay cache is looked up changes no answer:
+/// the cache holds no body that fails it (see `refuse_ambiguous`).
+async fn key_request(
+    routing: &Arc<Routing>,
     route: &Route,
     idem: &Idempotency,
     parts: &http::request::Parts,
     body: &Bytes,
 ) -> Result<Option<(KeyScope, Fingerprint, bool)>, GatewayError> {
-    let mut json = JsonBody::new(body);
-    let Some(keyed) = extract(idem, &parts.headers, &mut json)? else {
-        return Ok(None);
+    /// Bodies up to this size are read on the serving thread, where most bodies are: up to
+    /// about 0.1 ms for an ordinary one and 0.4 ms for the costliest shape (deep nesting;
+    /// `body_1MiB` in benches/micro.rs), against some tens of microseconds for a hand-off.
+    const INLINE: usize = 16 * 1024;
+
+    fn key_now(
+        route: &Route,
+        idem: &Idempotency,
+        method: &http::Method,
+        uri: &http::Uri,
+        headers: &http::HeaderMap,
+        body: &Bytes,
+        check_now: bool,
+    ) -> Result<Option<(KeyScope, Fingerprint, bool)>, GatewayError> {
+        let mut json = JsonBody::new(body);
+        let Some(keyed) = extract(idem, headers, &mut json)? else {
+            return Ok(None);
+        };
+        // A raw fingerprint pins the body's bytes, so the repeated-member check can wait for
+        // a replay cache miss (see `refuse_ambiguous`); a canonical one does not, so it runs
+        // here: the parse that the canonical form reads refuses a repeated member.
+        let mut settled = json.is_parsed() || idem.fingerprint.json_canonical;
+        let json_value = if idem.fingerprint.json_canonical {
+            Some(json.get()?)
+        } else {
+            None
+        };
+        // The path was normalized before routing (see `route_request`).
+        let pq = uri.path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
+        let fp = fingerprint(
+            &idem.fingerprint,
+            method,
+            &route.name,
+            pq,
+            headers,
+            body,
+            json_value,
+        )?;
+        if check_now && !settled {
+            json.refuse_ambiguous(headers)?;
+            settled = true;
+        }
+        Ok(Some((keyed, fp, settled)))
+    }
+
+    // The route and its idempotency are found again in the routing snapshot (by index): a
+    // blocking thread needs them owned.
+    let index = (body.len() > INLINE)
+        .then(|| {
+            routing
+                .config
+                .routes
+                .iter()
+                .position(|r| std::ptr::eq(r, route))
+        })
+        .flatten()
+        .filter(|_| {
+            route
+                .idempotency
+                .as_ref()
+                .is_some_and(|i| std::ptr::eq(i, idem))
+        });
+    let Some(index) = index else {
+        return key_now(
+            route,
+            idem,
+            &parts.method,
+            &parts.uri,
+            &parts.headers,
+            body,
+            false,
+        );
     };
-    // A raw fingerprint pins the body's bytes, so the repeated-member check can wait for a
-    // replay cache miss (see `refuse_ambiguous`); a canonical one does not, so it runs here.
-    let settled = json.is_parsed() || idem.fingerprint.json_canonical;
-    let json_value = if idem.fingerprint.json_canonical {
-        json.refuse_ambiguous(&parts.headers)?;
-        Some(json.get()?)
-    } else {
-        None
-    };
-    // The path was normalized before routing (see `route_request`).
-    let pq = parts
-        .uri
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/");
-    let fp = fingerprint(
-        &idem.fingerprint,
-        &parts.method,
-        &route.name,
-        pq,
-        &parts.headers,
-        body,
-        json_value,
-    )?;
-    Ok(Some((keyed, fp, settled)))
+    let routing = Arc::clone(routing);
+    let (method, uri, headers) = (
+        parts.method.clone(),
+        parts.uri.clone(),
+        parts.headers.clone(),
+    );
+    let body = body.clone();
+    let keying = tokio::task::spawn_blocking(move || {
+        let route = &routing.config.routes[index];
+        let idem = route
+            .idempotency
+            .as_ref()
+            .expect("a keyed route has its idempotency");
+        key_now(route, idem, &method, &uri, &headers, &body, true)
+    });
+    keying.await.unwrap_or_else(|e| {
+        tracing::error!(error = %e, "keying a request's body on a blocking thread failed");
+        Err(GatewayError::Internal(
+            "keying a request's body failed".to_string(),
+        ))
+    })
 }
 
 /// The repeated-member check of a keyed request whose key, scope and fingerprint are known

@@ -11,16 +11,20 @@
 //! with different values is 400, and a JSON body with a repeated member name anywhere is not
 //! JSON to the gateway (two parsers may read it two ways).
 //!
+//! The body is read by [`crate::json`], linear in its size whatever its shape, nested at
+//! most 128 deep; the gateway reads a large body off its serving thread (`gateway.rs`,
+//! `key_request`).
+//!
 //! Scopes from different sources never collide: the stored scope carries its source
 //! ([`namespaced`]: `header:`, `json:`, `fixed:`, `authz:`), so a client that sends
 //! `X-Account-Id: webhooks` cannot squat a key of a `fixed: webhooks` route.
 
 use bytes::Bytes;
 use http::HeaderMap;
-use serde_json::Value;
 
 use crate::config::{Idempotency, KeySource, ScopeSource};
 use crate::fingerprint::{hex, sha256};
+use crate::json::{Json, Node, has_duplicate_member};
 
 /// Why a request's key or scope cannot be used; `problem.rs` maps each to its status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,7 +49,7 @@ pub const MAX_KEY_LEN: usize = 255;
 /// The request body, parsed as JSON on first use.
 pub struct JsonBody<'a> {
     raw: &'a Bytes,
-    parsed: Option<Option<Value>>,
+    parsed: Option<Option<Json<'a>>>,
 }
 
 impl<'a> JsonBody<'a> {
@@ -53,17 +57,12 @@ impl<'a> JsonBody<'a> {
         JsonBody { raw, parsed: None }
     }
 
-    /// The parsed body, or `body-not-json` (not JSON, or a member name repeated in one
-    /// object). serde_json's recursion limit (128) bounds nesting.
-    pub fn get(&mut self) -> Result<&Value, KeyError> {
-        let raw = self.raw;
+    /// The parsed body, or `body-not-json` (not JSON, nested deeper than [`MAX_DEPTH`], or a
+    /// member name repeated in one object). One pass reads the document and checks the names.
+    pub fn get(&mut self) -> Result<&Json<'a>, KeyError> {
+        let raw: &'a [u8] = self.raw;
         self.parsed
-            .get_or_insert_with(|| {
-                if has_duplicate_member(raw) == Some(true) {
-                    return None;
-                }
-                serde_json::from_slice(raw).ok()
-            })
+            .get_or_insert_with(|| Json::parse(raw).ok())
             .as_ref()
             .ok_or(KeyError::NotJson)
     }
@@ -87,102 +86,21 @@ impl<'a> JsonBody<'a> {
     }
 
     /// The parsed body if it was parsed already or parses now.
-    pub fn value(&mut self) -> Option<&Value> {
+    pub fn value(&mut self) -> Option<&Json<'a>> {
         self.get().ok()
     }
 }
 
-/// Whether a JSON text repeats a member name in one of its objects: `Some(true)` if so,
-/// `Some(false)` if it is JSON without repeats, `None` if it is not JSON at all.
-pub fn has_duplicate_member(raw: &[u8]) -> Option<bool> {
-    use serde::de::Deserializer as _;
-    let mut de = serde_json::Deserializer::from_slice(raw);
-    match de.deserialize_any(UniqueMembers).and_then(|()| de.end()) {
-        Ok(()) => Some(false),
-        Err(e) if e.is_data() => Some(true),
-        Err(_) => None,
-    }
-}
-
-/// A visitor that walks a JSON value and fails with a data error on a repeated member name.
-struct UniqueMembers;
-
-impl<'de> serde::de::DeserializeSeed<'de> for UniqueMembers {
-    type Value = ();
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
-        d.deserialize_any(self)
-    }
-}
-
-impl<'de> serde::de::Visitor<'de> for UniqueMembers {
-    type Value = ();
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a JSON value")
-    }
-
-    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        // Objects are small: a vector beats a hash set until they are not.
-        let mut seen: Vec<std::borrow::Cow<'de, str>> = Vec::new();
-        while let Some(name) = map.next_key_seed(MemberName)? {
-            if seen.contains(&name) {
-                return Err(serde::de::Error::custom("repeated member name"));
-            }
-            seen.push(name);
-            map.next_value_seed(UniqueMembers)?;
-        }
-        Ok(())
-    }
-
-    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element_seed(UniqueMembers)?.is_some() {}
-        Ok(())
-    }
-
-    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_str<E>(self, _: &str) -> Result<(), E> {
-        Ok(())
-    }
-    fn visit_unit<E>(self) -> Result<(), E> {
-        Ok(())
-    }
-}
-
-/// A member name, borrowed from the body unless it has escapes (serde's own `Cow<str>` would
-/// copy every name into a `String`). Escaped or not, equal names compare equal.
-struct MemberName;
-
-impl<'de> serde::de::DeserializeSeed<'de> for MemberName {
-    type Value = std::borrow::Cow<'de, str>;
-    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-        d.deserialize_str(self)
-    }
-}
-
-impl<'de> serde::de::Visitor<'de> for MemberName {
-    type Value = std::borrow::Cow<'de, str>;
-
-    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("a member name")
-    }
-
-    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
-        Ok(std::borrow::Cow::Borrowed(v))
-    }
-
-    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
-        Ok(std::borrow::Cow::Owned(v.to_owned()))
+/// A key or scope read from the body: `Ok(None)` where the pointer names nothing or `null`,
+/// `Err(())` where it names neither a string nor an integer.
+fn text_at(json: &Json<'_>, ptr: &str) -> Result<Option<String>, ()> {
+    match json.pointer(ptr) {
+        None | Some(Node::Null) => Ok(None),
+        Some(Node::Str(s)) => Ok(Some(s.to_string())),
+        Some(Node::U64(n)) => Ok(Some(n.to_string())),
+        Some(Node::I64(n)) => Ok(Some(n.to_string())),
+        Some(Node::Number(n)) if n.is_i64() || n.is_u64() => Ok(Some(n.to_string())),
+        Some(_) => Err(()),
     }
 }
 
@@ -280,12 +198,8 @@ fn find_key(
                 Ok(None) => None,
                 Ok(Some(key)) => Some(key?),
             },
-            KeySource::Json(ptr) => match body.get()?.pointer(ptr) {
-                None | Some(Value::Null) => None,
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Number(n)) if n.is_i64() || n.is_u64() => Some(n.to_string()),
-                Some(_) => return Err(KeyError::Invalid("must be a string or an integer")),
-            },
+            KeySource::Json(ptr) => text_at(body.get()?, ptr)
+                .map_err(|()| KeyError::Invalid("must be a string or an integer"))?,
         };
         if let Some(key) = found {
             validate_key(&key)?;
@@ -395,12 +309,9 @@ fn scope(
                 Ok(Some(v)) => v?,
             }
         }
-        ScopeSource::Json(ptr) => match body.get()?.pointer(ptr) {
-            None | Some(Value::Null) => return Err(missing),
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Number(n)) if n.is_i64() || n.is_u64() => n.to_string(),
-            Some(_) => return Err(KeyError::ScopeInvalid("must be a string or an integer")),
-        },
+        ScopeSource::Json(ptr) => text_at(body.get()?, ptr)
+            .map_err(|()| KeyError::ScopeInvalid("must be a string or an integer"))?
+            .ok_or(missing)?,
     };
     if value.is_empty() {
         return Err(KeyError::ScopeMissing {
@@ -416,7 +327,7 @@ fn scope(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     #[test]
@@ -427,31 +338,6 @@ mod tests {
         assert_eq!(parse_header_key(b"\"abc\";p=1").unwrap(), "abc");
         assert!(parse_header_key(b"\"abc").is_err());
         assert!(parse_header_key(b"\"a\\nb\"").is_err());
-    }
-
-    #[test]
-    fn repeated_member_names_are_found_at_any_depth() {
-        assert_eq!(has_duplicate_member(br#"{"a":1,"b":2}"#), Some(false));
-        assert_eq!(has_duplicate_member(br#"{"a":1,"a":2}"#), Some(true));
-        assert_eq!(
-            has_duplicate_member(br#"[{"x":{"a":1,"a":1}}]"#),
-            Some(true)
-        );
-        assert_eq!(
-            has_duplicate_member(br#"{"a":{"a":1},"b":[1.5e3,"s",null]}"#),
-            Some(false)
-        );
-        // Escapes spell the same name.
-        assert_eq!(has_duplicate_member(br#"{"a":1,"\u0061":2}"#), Some(true));
-        assert_eq!(has_duplicate_member(b"{\"a\":"), None);
-        assert_eq!(has_duplicate_member(b"not json"), None);
-        // Both spelled with escapes, and a name escaped only in its second spelling.
-        assert_eq!(
-            has_duplicate_member(br#"{"\u00e9":1,"x":{"\u00e9":2},"\u00e9":3}"#),
-            Some(true)
-        );
-        assert_eq!(has_duplicate_member(br#"{"ab":1,"a\u0062":2}"#), Some(true));
-        assert_eq!(has_duplicate_member(br#"{"a\"":1,"a\\":2}"#), Some(false));
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! - [`record`]: a claimed request's forward and its fenced, retried recording.
 //! - [`gateway`]: one request: route → key/scope → fingerprint → claim → forward or replay
 //!   (or, on an observe route, forward and count what enforcing would have done).
+//! - [`json`]: the JSON of keyed bodies, read in one linear pass, nesting bounded.
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
@@ -59,6 +60,7 @@ pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
 pub mod headers;
+pub mod json;
 pub mod key;
 pub mod keys;
 pub mod limits;

@@ -2,16 +2,19 @@
 //! from a storm, detached work included.
 //!
 //! - [`UpstreamLimit`]: `upstreams.<name>.max_in_flight`, requests being forwarded to one
-//!   upstream at once. A slot is taken when a request is admitted (before its body is read
-//!   and before any claim) and freed when its forward ends: for a keyed request when its
-//!   detached task ends (a client that hangs up does not free it), for a streamed one when
-//!   the response body has been passed on (or dropped).
-//! - [`ByteBudget`]: `server.max_buffered_bytes`, request bodies and captured responses held
-//!   in memory across all requests. A keyed request reserves its body before reading it (its
-//!   `Content-Length`, or the route's `max_request_body` when the length is unknown) and
-//!   shrinks the reservation to what arrived; a captured response is added as it arrives
-//!   (the upstream already executed: it is never refused), so the budget can be overdrawn by
-//!   responses already being captured, and new requests are refused until it is back under.
+//!   upstream at once. A plain request takes its slot when it is admitted; a keyed one only
+//!   once it has claimed its key and is about to be forwarded (a duplicate waiting for it,
+//!   or a replay, takes none). A slot is freed when its forward ends: for a keyed request
+//!   when its detached task ends (a client that hangs up does not free it), for a streamed
+//!   one when the response body has been passed on (or dropped).
+//! - [`ByteBudget`]: `server.max_buffered_bytes`, every body the gateway holds in memory
+//!   across all requests: keyed request bodies, reserved as their bytes arrive (a client that
+//!   declares a large body and sends little holds little), upstream answers captured for the
+//!   store, and answers held until they are written to the client (first answers and
+//!   replays, from the store or the replay cache; the reservation travels with the response
+//!   body, `access::Logged`). A captured response is added as it arrives (the upstream
+//!   already executed: it is never refused), so the budget can be overdrawn by responses
+//!   already being captured, and new requests are refused until it is back under.
 //!
 //! Past either bound a request is answered 503 `overloaded` with `Retry-After`: nothing is
 //! forwarded and no key is held. Both are gauges; refusals are counted by upstream and bound.
@@ -214,6 +217,34 @@ impl Reservation {
         self.bytes = n;
     }
 
+    /// Sets the reservation to `n` bytes if the bound allows it: shrinking always does;
+    /// growing is refused (`false`, nothing changed) when it would pass the bound or the
+    /// budget is already overdrawn. For what is not held yet (a request body as it arrives,
+    /// an answer about to be written).
+    pub fn try_resize(&mut self, n: usize) -> bool {
+        if n <= self.bytes {
+            self.resize(n);
+            return true;
+        }
+        let Some(budget) = &self.budget else {
+            return false;
+        };
+        let max = i64::try_from(budget.max).unwrap_or(i64::MAX);
+        let delta = i64::try_from(n - self.bytes).unwrap_or(i64::MAX);
+        let grown = budget
+            .gauge
+            .inner()
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                let after = used.checked_add(delta)?;
+                (after <= max).then_some(after)
+            })
+            .is_ok();
+        if grown {
+            self.bytes = n;
+        }
+        grown
+    }
+
     /// Bytes held by this reservation.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -226,9 +257,34 @@ impl Drop for Reservation {
     }
 }
 
-/// What an admitted request holds until its forward ends.
+impl Admission {
+    /// Takes an upstream slot for a request about to be forwarded, if it holds none yet;
+    /// past `max_in_flight` the refusal is counted (`idemgate_overloaded_total`) and the
+    /// bound's name returned.
+    pub(crate) fn take_slot(
+        &mut self,
+        limit: &Arc<UpstreamLimit>,
+        upstream: &str,
+        metrics: &crate::metrics::Metrics,
+    ) -> Result<(), &'static str> {
+        if self.slot.is_none() {
+            match limit.try_acquire() {
+                Some(slot) => self.slot = Some(slot),
+                None => {
+                    metrics.refused(upstream, "max_in_flight");
+                    return Err("max_in_flight");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What an admitted request holds until its forward ends: its upstream slot while it is
+/// forwarded (a keyed request takes one only once it has claimed its key: a duplicate that
+/// waits or a replay never holds one), and the bytes it buffers.
 pub struct Admission {
-    pub slot: SlotGuard,
+    pub slot: Option<SlotGuard>,
     pub bytes: Reservation,
 }
 

@@ -2,10 +2,12 @@
 //!
 //! Events are formatted into a buffer per thread instead of one `write(2)` each (so that the
 //! runtime's workers never write into the same memory); a background thread writes the
-//! buffers out every [`FLUSH_EVERY`], and a writer flushes at once when its thread's
-//! buffer passes [`FLUSH_AT`] bytes or the event is a warning or an error (so what explains
-//! a failure is never left waiting in memory). [`flush`] writes what is left; `main` calls it
-//! before the process exits. A SIGKILL loses at most the last [`FLUSH_EVERY`] of info lines.
+//! buffers out every [`FLUSH_EVERY`], and at once when a thread's buffer passes [`FLUSH_AT`]
+//! bytes or an event is a warning or an error (so what explains a failure is never left
+//! waiting in memory): the writer wakes the background thread, which writes; a serving thread
+//! never writes to stderr itself, so a slow or blocked stderr (a full pipe, a stalled log
+//! shipper) never stalls a request. [`flush`] writes what is left; `main` calls it before
+//! the process exits. A SIGKILL loses at most the last [`FLUSH_EVERY`] of info lines.
 //!
 //! ANSI colours only when stderr is a terminal.
 //!
@@ -31,7 +33,8 @@ pub const FLUSH_EVERY: Duration = Duration::from_millis(50);
 /// A buffer this large is written out by the event that filled it.
 pub const FLUSH_AT: usize = 64 * 1024;
 
-static FLUSHER: OnceLock<()> = OnceLock::new();
+/// The background thread that writes the buffers out, woken early by an urgent event.
+static FLUSHER: OnceLock<Option<std::thread::Thread>> = OnceLock::new();
 /// The layout [`init`] installed; unset when the library logs under another subscriber.
 static FORMAT: OnceLock<LogFormat> = OnceLock::new();
 
@@ -135,7 +138,11 @@ impl Write for EventWriter {
 impl Drop for EventWriter {
     fn drop(&mut self) {
         if self.urgent {
-            flush();
+            match FLUSHER.get() {
+                Some(Some(flusher)) => flusher.unpark(),
+                // No background thread could be started: written here.
+                _ => flush(),
+            }
         }
     }
 }
@@ -158,14 +165,17 @@ impl<'a> MakeWriter<'a> for Buffered {
 pub fn init(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     FLUSHER.get_or_init(|| {
-        let _ = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("idemgate-log".into())
             .spawn(|| {
                 loop {
-                    std::thread::sleep(FLUSH_EVERY);
+                    // Woken early (`unpark`) by an event that must not wait.
+                    std::thread::park_timeout(FLUSH_EVERY);
                     flush();
                 }
-            });
+            })
+            .ok()
+            .map(|handle| handle.thread().clone())
     });
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()

@@ -80,6 +80,11 @@ pub mod outcome {
     pub const NOT_REPLAYABLE: &str = "not_replayable";
     pub const NO_ROUTE: &str = "no_route";
     pub const PATH_INVALID: &str = "path_invalid";
+    /// A standard method in another case (`post`), or an HTTP/1.1 request without `Host`:
+    /// refused before routing.
+    pub const REQUEST_INVALID: &str = "request_invalid";
+    /// `CONNECT`: the gateway is no forward proxy.
+    pub const METHOD_NOT_ALLOWED: &str = "method_not_allowed";
     /// Refused by `max_in_flight` or `max_buffered_bytes` before anything was read or claimed.
     pub const OVERLOADED: &str = "overloaded";
     /// A bug: a task panicked or was cancelled.
@@ -378,6 +383,17 @@ impl RouteHandles {
 }
 
 impl Metrics {
+    /// Counts a request refused by `bound` (`max_in_flight`, `max_buffered_bytes`) of
+    /// `upstream`.
+    pub fn refused(&self, upstream: &str, bound: &'static str) {
+        self.overloaded
+            .get_or_create(&UpstreamBound {
+                upstream: upstream.to_owned(),
+                bound,
+            })
+            .inc();
+    }
+
     pub fn new(store: &StoreMetrics) -> Metrics {
         let mut registry = Registry::with_prefix("idemgate");
         let requests = Family::<RouteOutcome, ShardedCounter>::default();

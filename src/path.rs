@@ -15,6 +15,12 @@
 //!
 //! Invariants: the result starts with `/`; normalizing it again changes nothing; a path
 //! that needs no change is returned borrowed (no allocation on the common path).
+//!
+//! Backends read more spellings as one path than the normalization above merges: Werkzeug,
+//! gunicorn and uvicorn decode `%2F`; Tomcat and Spring drop `;parameters` from segments;
+//! IIS and ASP.NET match without case. [`lenient`] is that reading (docs/guarantees.md, "no
+//! spelling around a key"): the gateway refuses a request whose lenient reading would reach
+//! a keyed route when its own reading does not, instead of forwarding it unkeyed.
 
 use std::borrow::Cow;
 
@@ -127,6 +133,76 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, PathInvalid> {
     Ok(Cow::Owned(out))
 }
 
+/// Whether a normalized path may read differently to a lenient backend: it holds an escape,
+/// a backslash, a `;` or an upper-case ASCII letter. Paths without any need no second look.
+pub fn may_read_otherwise(path: &str) -> bool {
+    path.bytes()
+        .any(|b| matches!(b, b'%' | b'\\' | b';') || b.is_ascii_uppercase())
+}
+
+/// The lenient reading of a normalized path: `%2F` decoded to `/`, `%5C` and a backslash
+/// read as `/`, `;...` dropped from every segment, normalized again, ASCII letters
+/// lower-cased (compare it with lower-cased route paths). A `..` that the decoded slashes
+/// make climb above the root stays at the root, as most servers clamp it.
+pub fn lenient(path: &str) -> String {
+    let b = path.as_bytes();
+    let mut out = String::with_capacity(b.len());
+    let mut in_params = false;
+    let mut i = 0;
+    while i < b.len() {
+        let (c, step) = match b[i] {
+            b'%' if i + 2 < b.len() => {
+                match (b[i + 1].to_ascii_uppercase(), b[i + 2].to_ascii_uppercase()) {
+                    (b'2', b'F') | (b'5', b'C') => (b'/', 3),
+                    _ => (b'%', 1),
+                }
+            }
+            b'\\' => (b'/', 1),
+            other => (other, 1),
+        };
+        i += step;
+        if c == b'/' {
+            in_params = false;
+        } else if c == b';' {
+            in_params = true;
+        }
+        if in_params {
+            continue;
+        }
+        if c.is_ascii() {
+            out.push(c as char);
+        } else {
+            // A multi-byte character: copy it whole (it was not an escape or a separator).
+            let ch = path[i - step..].chars().next().expect("on a char boundary");
+            out.push(ch);
+            i += ch.len_utf8() - 1;
+        }
+    }
+    // The input was normalized: its unreserved escapes are decoded already, so resolving
+    // the segments is all that is left.
+    let trailing = out.ends_with('/') || out.ends_with("/.") || out.ends_with("/..");
+    let mut segments: Vec<&str> = Vec::new();
+    for seg in out.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut read = String::with_capacity(out.len());
+    for seg in &segments {
+        read.push('/');
+        read.push_str(seg);
+    }
+    if trailing || read.is_empty() {
+        read.push('/');
+    }
+    read.make_ascii_lowercase();
+    read
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -176,6 +252,30 @@ mod tests {
         assert_eq!(normalize("/.."), Err(PathInvalid));
         assert_eq!(normalize("/a/../.."), Err(PathInvalid));
         assert_eq!(normalize("/%2e%2e/etc"), Err(PathInvalid));
+    }
+
+    #[test]
+    fn the_lenient_reading_is_what_lenient_backends_route() {
+        for (raw, read) in [
+            ("/webhooks%2Fpayments", "/webhooks/payments"),
+            ("/webhooks%2fpayments", "/webhooks/payments"),
+            ("/webhooks%5Cpayments", "/webhooks/payments"),
+            ("/webhooks\\payments", "/webhooks/payments"),
+            ("/webhooks;v=1/payments", "/webhooks/payments"),
+            ("/webhooks/payments;jsessionid=x", "/webhooks/payments"),
+            ("/WebHooks/Payments", "/webhooks/payments"),
+            ("/a%2F..%2Fb", "/b"),
+            ("/a%2F..%2F..%2F..%2Fb", "/b"),
+            ("/caf%C3%A9", "/caf%c3%a9"),
+            ("/x%", "/x%"),
+            ("/a/", "/a/"),
+        ] {
+            assert_eq!(lenient(raw), read, "{raw}");
+        }
+        assert!(!may_read_otherwise("/webhooks/payments"));
+        for p in ["/a%2Fb", "/a\\b", "/a;b", "/A"] {
+            assert!(may_read_otherwise(p), "{p}");
+        }
     }
 
     #[test]

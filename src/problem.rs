@@ -21,6 +21,15 @@ pub enum GatewayError {
     NoRoute,
     #[error("the path climbs above the root")]
     PathInvalid,
+    /// A path that a lenient backend would read as this keyed route's (`path::lenient`).
+    #[error("the path reads as keyed route {0:?} to a lenient backend")]
+    PathResembles(String),
+    #[error("a standard method spelled in another case")]
+    MethodInvalid,
+    #[error("CONNECT is not served")]
+    MethodNotAllowed,
+    #[error("an HTTP/1.1 request without Host")]
+    HostMissing,
     #[error("overloaded: {0}")]
     Overloaded(&'static str),
     #[error("internal error: {0}")]
@@ -111,7 +120,9 @@ impl GatewayError {
         use crate::metrics::outcome as o;
         match self {
             GatewayError::NoRoute => o::NO_ROUTE,
-            GatewayError::PathInvalid => o::PATH_INVALID,
+            GatewayError::PathInvalid | GatewayError::PathResembles(_) => o::PATH_INVALID,
+            GatewayError::MethodInvalid | GatewayError::HostMissing => o::REQUEST_INVALID,
+            GatewayError::MethodNotAllowed => o::METHOD_NOT_ALLOWED,
             GatewayError::Overloaded(_) => o::OVERLOADED,
             GatewayError::Internal(_) => o::INTERNAL,
             GatewayError::KeyMissing => o::KEY_MISSING,
@@ -173,6 +184,36 @@ impl GatewayError {
                 "path-invalid",
                 "Path invalid",
                 "The path climbs above the root with '..'.".into(),
+                None,
+            ),
+            E::PathResembles(route) => (
+                400,
+                "path-invalid",
+                "Path invalid",
+                format!(
+                    "This path is not keyed as written, but reads as a path of keyed route '{route}' once '%2F', '%5C' or '\\' is read as '/', ';parameters' are dropped or case is ignored, as some backends read it. Send the path as the route spells it."
+                ),
+                None,
+            ),
+            E::MethodInvalid => (
+                400,
+                "method-invalid",
+                "Method invalid",
+                "Methods are case-sensitive: send standard methods in upper case (POST, not post).".into(),
+                None,
+            ),
+            E::MethodNotAllowed => (
+                405,
+                "method-not-allowed",
+                "Method not allowed",
+                "CONNECT is not served: this is a reverse proxy.".into(),
+                None,
+            ),
+            E::HostMissing => (
+                400,
+                "host-missing",
+                "Host missing",
+                "An HTTP/1.1 request must carry a Host header.".into(),
                 None,
             ),
             E::Overloaded(_) => (

@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use crate::body::{Captured, Prefixed, read_capped};
 use crate::config::{Idempotency, Mode, OnUnknownOutcome};
 use crate::forward::{Body, UpstreamError, clean_response_headers, full};
-use crate::limits::Admission;
+use crate::limits::{Admission, Reservation};
 use crate::metrics::Metrics;
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
@@ -52,11 +52,23 @@ pub(crate) struct ForwardJob {
 const FINISH_ATTEMPTS: u32 = 3;
 
 impl ForwardJob {
-    /// Waits for a `serialize` slot if the route has one, forwards, records, frees the slot.
-    /// Runs inside the keyed request's own task, so a client that goes away does not stop
-    /// it. Also sets how long the upstream took, when it was called.
+    /// Waits for a `serialize` slot if the route has one, takes an upstream slot
+    /// (`max_in_flight`; none left: the key is released and the answer is 503 `overloaded`),
+    /// forwards, records, frees the slots. Runs inside the keyed request's own task, so a
+    /// client that goes away does not stop it. Also sets how long the upstream took, when it
+    /// was called. Gives back the request's byte reservation, which then counts the answer
+    /// (the caller holds it until the answer is written); the upstream slot ends here.
     pub(crate) async fn run(
         mut self,
+        request: Request<Body>,
+        took: &mut Option<Duration>,
+    ) -> (Result<Response<Body>, GatewayError>, Reservation) {
+        let result = self.serialized(request, took).await;
+        (result, self.admission.bytes)
+    }
+
+    async fn serialized(
+        &mut self,
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
@@ -97,7 +109,22 @@ impl ForwardJob {
                 }
             }
         };
-        let result = self.forward(request, took).await;
+        let (_, _, upstream) = routing
+            .route(&self.route)
+            .expect("the route of a claimed request exists");
+        let slot = self
+            .admission
+            .take_slot(&upstream.limit, &upstream.config.name, &self.metrics);
+        let result = match slot {
+            Ok(()) => self.forward(request, took).await,
+            Err(bound) => {
+                // Nothing was forwarded: give the key back so a retry can go through.
+                if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                    tracing::warn!(route = %self.route, error = %e, "could not release a key refused an upstream slot; it frees itself when its lease ends");
+                }
+                Err(GatewayError::Overloaded(bound))
+            }
+        };
         if let Some(held) = held {
             held.release(store).await;
         }

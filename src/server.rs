@@ -42,9 +42,6 @@ use crate::forward::ClientInfo;
 use crate::gateway::{Connection, Gateway};
 use crate::limits::{ConnectionSlot, Seat, ThreadLoad};
 
-/// Concurrent requests on one h2 connection.
-const H2_MAX_STREAMS: u32 = 100;
-
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
 /// if the listener's TLS files cannot be loaded. `slots` bounds the connections served at
 /// once (`max_connections`); the serving threads of one gateway share it.
@@ -75,7 +72,7 @@ pub async fn run(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(cfg.max_header_bytes).unwrap_or(u32::MAX))
-        .max_concurrent_streams(H2_MAX_STREAMS)
+        .max_concurrent_streams(cfg.h2_max_concurrent_streams)
         .keep_alive_interval(Some(cfg.header_read_timeout))
         .keep_alive_timeout(cfg.header_read_timeout);
     let graceful = Connections::new();

@@ -1,4 +1,4 @@
-//! Upgrades on plain routes: a WebSocket (or any other `Upgrade`) passes through as a tunnel.
+//! Upgrades on plain routes: a WebSocket passes through as a tunnel; no other protocol does.
 //!
 //! A request asks to switch protocols with `Connection: upgrade` and `Upgrade: <protocols>`
 //! (RFC 9110 section 7.8). Both are hop-by-hop, so forwarding strips them; on a request that
@@ -38,6 +38,17 @@ pub fn requested<B>(req: &Request<B>, upstream: &UpstreamConfig) -> Option<Heade
         return None;
     }
     let protocols = req.headers().get(header::UPGRADE)?;
+    // WebSocket only: any other protocol (`h2c` above all, an unrouted channel of requests
+    // the gateway would never see) is dropped with the other hop-by-hop headers.
+    let websocket = protocols.to_str().is_ok_and(|v| {
+        v.split(',').all(|p| {
+            let name = p.trim().split('/').next().unwrap_or("");
+            name.eq_ignore_ascii_case("websocket")
+        })
+    });
+    if !websocket {
+        return None;
+    }
     let asks = req
         .headers()
         .get_all(header::CONNECTION)
@@ -102,6 +113,7 @@ mod tests {
             connect_timeout: std::time::Duration::from_secs(1),
             timeout: std::time::Duration::from_secs(5),
             max_in_flight: 1,
+            idle_timeout: std::time::Duration::from_millis(800),
             tls_ca: None,
             http2,
             preserve_host: false,
@@ -125,6 +137,25 @@ mod tests {
         assert!(requested(&request(Version::HTTP_11, "keep-alive"), &up).is_none());
         assert!(requested(&request(Version::HTTP_10, "upgrade"), &up).is_none());
         assert!(requested(&request(Version::HTTP_11, "upgrade"), &upstream(true)).is_none());
+    }
+
+    #[test]
+    fn only_websocket_is_tunnelled() {
+        let up = upstream(false);
+        for protocols in ["h2c", "websocket, h2c", "TLS/1.0", ""] {
+            let req = Request::builder()
+                .header("connection", "upgrade")
+                .header("upgrade", protocols)
+                .body(())
+                .unwrap();
+            assert!(requested(&req, &up).is_none(), "{protocols:?}");
+        }
+        let req = Request::builder()
+            .header("connection", "upgrade")
+            .header("upgrade", "WebSocket")
+            .body(())
+            .unwrap();
+        assert!(requested(&req, &up).is_some());
     }
 
     #[test]

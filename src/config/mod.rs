@@ -144,6 +144,8 @@ pub struct ServerConfig {
     /// Request bodies and captured responses held in memory at once, across all requests
     /// (SPEC 8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
+    /// Requests one HTTP/2 connection may have open at once.
+    pub h2_max_concurrent_streams: u32,
     /// Threads that serve requests (default: the cores available).
     pub worker_threads: usize,
     /// How those threads share the work (default: a thread per core).
@@ -258,6 +260,8 @@ pub struct PostgresConfig {
     pub pool_size: usize,
     /// The most keys one batched claim or completion carries (1: no batches).
     pub batch_keys: usize,
+    /// The most stored answers, in bytes, one batched completion carries.
+    pub batch_bytes: usize,
     /// Bound on waiting for a pooled connection (including creating one).
     pub acquire_timeout: Duration,
     /// Bound on opening one new connection.
@@ -280,6 +284,7 @@ impl std::fmt::Debug for PostgresConfig {
             .field("url", &"<redacted>")
             .field("pool_size", &self.pool_size)
             .field("batch_keys", &self.batch_keys)
+            .field("batch_bytes", &self.batch_bytes)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("statement_timeout", &self.statement_timeout)
@@ -299,8 +304,11 @@ pub struct UpstreamConfig {
     /// Bound on the whole exchange: sending the request and reading the response head (and,
     /// for keyed requests, the body that is stored).
     pub timeout: Duration,
-    /// Requests being forwarded to this upstream at once, detached work included (SPEC 8.2).
+    /// Requests being forwarded to this upstream at once, detached work included.
     pub max_in_flight: usize,
+    /// How long a connection to it stays idle for reuse: shorter than the upstream's own
+    /// keep-alive timeout, so a request is never written on a connection it is closing.
+    pub idle_timeout: Duration,
     /// CA file that verifies an `https` upstream (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
     /// Speak HTTP/2 to it: h2c with prior knowledge for `http://`, and `h2` offered before
@@ -348,6 +356,14 @@ impl PathMatch {
             PathMatch::Prefix(p) => path
                 .strip_prefix(p.as_str())
                 .is_some_and(|rest| rest.is_empty() || rest.starts_with('/')),
+        }
+    }
+
+    /// The same match with its path's ASCII letters lower-cased.
+    pub fn folded(&self) -> PathMatch {
+        match self {
+            PathMatch::Exact(p) => PathMatch::Exact(p.to_ascii_lowercase()),
+            PathMatch::Prefix(p) => PathMatch::Prefix(p.to_ascii_lowercase()),
         }
     }
 
@@ -551,8 +567,12 @@ pub mod defaults {
     pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
     pub const MAX_BUFFERED_BYTES: usize = 256 * 1024 * 1024;
     pub const UPSTREAM_MAX_IN_FLIGHT: usize = 1024;
+    /// Below the keep-alive timeouts of the servers legacy services run on (gunicorn 2 s,
+    /// Node.js, uvicorn and Apache 5 s, nginx 75 s), with room for one that closes after 1 s.
+    pub const UPSTREAM_IDLE_TIMEOUT: Duration = Duration::from_millis(800);
     pub const POOL_SIZE: usize = 16;
     pub const BATCH_KEYS: usize = 32;
+    pub const BATCH_BYTES: usize = 1024 * 1024;
     pub const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(2);
     pub const GC_INTERVAL: Duration = Duration::from_secs(60);
     pub const GC_BATCH_SIZE: usize = 1000;

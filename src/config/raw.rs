@@ -92,6 +92,9 @@ pub(super) struct RawServer {
     /// `server.max_buffered_bytes`: request bodies and captured responses held in memory at
     /// once, across all requests (503 `overloaded` past it). Default `256MiB`, at least 1.
     pub(super) max_buffered_bytes: Option<RawSize>,
+    /// `server.h2_max_concurrent_streams`: requests one HTTP/2 connection may have open at
+    /// once. Default `100`, at least 1.
+    pub(super) h2_max_concurrent_streams: Option<u32>,
     /// `server.worker_threads`: threads of the runtime that serves requests. Default: the
     /// cores available; at least 1.
     pub(super) worker_threads: Option<usize>,
@@ -170,6 +173,9 @@ pub(super) struct RawPostgres {
     /// `store.postgres.batch_keys`: the most keys one statement claims or completes for
     /// requests waiting together. Default `32`, 1 to 1000; `1` sends every key alone.
     pub(super) batch_keys: Option<usize>,
+    /// `store.postgres.batch_bytes`: the most stored answers (bytes) one batched completion
+    /// carries. Default `1MiB`, at least 1.
+    pub(super) batch_bytes: Option<RawSize>,
     /// `store.postgres.acquire_timeout`: longest wait for a pooled connection, creating one
     /// included. Default `500ms`.
     pub(super) acquire_timeout: Option<String>,
@@ -227,6 +233,9 @@ pub(super) struct RawUpstream {
     /// `upstreams.<name>.max_in_flight`: requests forwarded to it at once, detached ones
     /// included (503 `overloaded` past it). Default `1024`, at least 1.
     pub(super) max_in_flight: Option<usize>,
+    /// `upstreams.<name>.idle_timeout`: how long an idle connection to it is kept for reuse.
+    /// Default `800ms`; set it below the upstream's own keep-alive timeout.
+    pub(super) idle_timeout: Option<String>,
     /// `upstreams.<name>.tls`: the CA that verifies an `https` upstream. Default: the
     /// platform's trusted roots.
     pub(super) tls: Option<RawCaOnly>,

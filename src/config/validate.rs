@@ -133,6 +133,16 @@ fn validate_server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             raw.max_buffered_bytes.as_ref(),
             defaults::MAX_BUFFERED_BYTES,
         )?,
+        h2_max_concurrent_streams: match raw.h2_max_concurrent_streams {
+            None => 100,
+            Some(0) => {
+                return Err(invalid(
+                    "server.h2_max_concurrent_streams",
+                    "must be at least 1",
+                ));
+            }
+            Some(n) => n,
+        },
         worker_threads: match raw.worker_threads {
             None => std::thread::available_parallelism().map_or(1, |n| n.get()),
             Some(0) => return Err(invalid("server.worker_threads", "must be at least 1")),
@@ -275,8 +285,17 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
             "must be from 1 to 1000",
         ));
     }
+    let batch_bytes = size_or(
+        "store.postgres.batch_bytes",
+        pg.batch_bytes.as_ref(),
+        defaults::BATCH_BYTES,
+    )?;
+    if batch_bytes == 0 {
+        return Err(invalid("store.postgres.batch_bytes", "must be at least 1"));
+    }
     Ok(PostgresConfig {
         batch_keys,
+        batch_bytes,
         listen_url: pg.listen_url.unwrap_or_else(|| pg.url.clone()),
         url: pg.url,
         pooler,
@@ -385,12 +404,18 @@ fn validate_upstream(name: &str, up: RawUpstream) -> Result<UpstreamConfig, Conf
             "must be at least 1",
         ));
     }
+    let idle_timeout = duration_or(
+        &format!("{base}.idle_timeout"),
+        up.idle_timeout.as_ref(),
+        defaults::UPSTREAM_IDLE_TIMEOUT,
+    )?;
     Ok(UpstreamConfig {
         name: name.to_string(),
         url,
         connect_timeout,
         timeout,
         max_in_flight,
+        idle_timeout,
         tls_ca,
         http2: up.http2.unwrap_or(false),
         preserve_host: up.preserve_host.unwrap_or(false),
@@ -664,11 +689,15 @@ fn validate_idempotency(
             ),
         ));
     }
-    if ttl < lease {
+    // A row lives `ttl` from its claim: equal to the lease, a crashed attempt's row would
+    // expire as its lease does, and the retry that follows would run as a new key, its
+    // takeover (a possible double) uncounted.
+    if ttl <= lease {
         return Err(invalid(
             format!("{base}.ttl"),
             format!(
-                "must not be shorter than the lease ({})",
+                "must be longer than the lease ({}), so that a crashed attempt's row outlives \
+                 its lease and a retry after it is counted as a takeover",
                 fmt_duration(lease)
             ),
         ));

@@ -24,7 +24,8 @@
 //!   once on a new connection; a request of which anything was written is never sent again.
 //! - The connect is bounded by `connect_timeout`, and the whole exchange up to the response
 //!   head, connect included, by the upstream's `timeout`.
-//! - At most [`MAX_IDLE`] connections wait in a pool; one idle for [`IDLE_TIMEOUT`] is closed
+//! - At most [`MAX_IDLE`] connections wait in a pool; one idle for the upstream's
+//!   `idle_timeout` (default 800 ms, below the keep-alive of common servers) is closed
 //!   when found, and a reaper closes them when nobody comes (so sockets the upstream closed
 //!   do not linger).
 //!
@@ -58,8 +59,6 @@ use crate::shard::{Padded, SHARDS};
 
 /// Idle connections kept per upstream.
 pub const MAX_IDLE: usize = 512;
-/// An idle connection older than this is closed instead of used.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Boxed: an idle connection moves from the pool to the request's future, its response body
 /// and back, and hyper's connection state is large.
@@ -69,6 +68,18 @@ struct Idle {
     tx: SendRequest<Body>,
     conn: Conn,
     since: Instant,
+    /// The thread whose runtime the connection's socket belongs to, when that runtime is
+    /// the thread's own (`server.runtime: thread_per_core`): only that thread takes it.
+    owner: Option<std::thread::ThreadId>,
+}
+
+/// The thread a connection given back or taken now belongs to: the current one when it runs
+/// a runtime of its own, none on a multi-threaded runtime (whose workers share a reactor).
+fn owner() -> Option<std::thread::ThreadId> {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => None,
+        _ => Some(std::thread::current().id()),
+    }
 }
 
 /// One list of idle connections.
@@ -82,6 +93,9 @@ pub struct Pool {
     host: Option<(uri::Authority, HeaderValue)>,
     connect_timeout: Duration,
     timeout: Duration,
+    /// `upstreams.<name>.idle_timeout`: an idle connection older than this is closed instead
+    /// of used, before the upstream's own keep-alive timeout closes it under a request.
+    idle_timeout: Duration,
     /// Oldest first in each; taken from the end.
     idle: [Shard; SHARDS],
     /// Whether the reaper task was started (once, by the first connection given back).
@@ -111,6 +125,7 @@ impl Pool {
             host: made,
             connect_timeout: cfg.connect_timeout,
             timeout: cfg.timeout,
+            idle_timeout: cfg.idle_timeout,
             idle: Default::default(),
             reaper: std::sync::atomic::AtomicBool::new(false),
         }))
@@ -202,22 +217,23 @@ impl Pool {
     async fn take_idle(&self) -> Option<Idle> {
         let own = crate::shard::own();
         // A thread with a runtime of its own (`server.runtime: thread_per_core`) keeps to its
-        // own list: another list's sockets wait for readiness on another thread's runtime.
-        let lists = match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => SHARDS,
-            _ => 1,
-        };
+        // own connections: another's socket waits for readiness on another thread's runtime.
+        // Its list may hold other threads' too (past `SHARDS` threads lists are shared), so it
+        // takes only those it owns, however many threads there are.
+        let me = owner();
+        let lists = if me.is_some() { 1 } else { SHARDS };
         for i in 0..lists {
             let shard = &self.idle[(own + i) % SHARDS];
             loop {
                 let mut idle = {
                     let mut list = shard.0.lock().expect("pool lock");
-                    let Some(idle) = list.pop() else {
+                    let Some(at) = list.iter().rposition(|idle| idle.owner == me) else {
                         break;
                     };
-                    if idle.since.elapsed() >= IDLE_TIMEOUT {
-                        // The rest of this list are older still.
-                        list.clear();
+                    let idle = list.remove(at);
+                    if idle.since.elapsed() >= self.idle_timeout {
+                        // Those of this owner before it in the list are older still.
+                        list.retain(|idle| idle.owner != me);
                         break;
                     }
                     idle
@@ -259,6 +275,7 @@ impl Pool {
                 tx,
                 conn,
                 since: Instant::now(),
+                owner: owner(),
             });
         }
         if !self.reaper.swap(true, std::sync::atomic::Ordering::Relaxed)
@@ -278,22 +295,23 @@ fn ready(idle: &mut Idle, cx: &mut Context<'_>) -> bool {
     matches!(idle.tx.poll_ready(cx), Poll::Ready(Ok(())))
 }
 
-/// Every half of [`IDLE_TIMEOUT`], closes the idle connections that are too old or that the
+/// Every half of the idle timeout, closes the idle connections that are too old or that the
 /// upstream closed; ends with its pool.
 async fn reap(pool: Weak<Pool>) {
     let waker = std::task::Waker::noop();
     loop {
-        tokio::time::sleep(IDLE_TIMEOUT / 2).await;
+        let Some(every) = pool.upgrade().map(|p| p.idle_timeout / 2) else {
+            return;
+        };
+        tokio::time::sleep(every).await;
         let Some(pool) = pool.upgrade() else {
             return;
         };
         let mut cx = Context::from_waker(waker);
         for shard in &pool.idle {
-            shard
-                .0
-                .lock()
-                .expect("pool lock")
-                .retain_mut(|idle| idle.since.elapsed() < IDLE_TIMEOUT && ready(idle, &mut cx));
+            shard.0.lock().expect("pool lock").retain_mut(|idle| {
+                idle.since.elapsed() < pool.idle_timeout && ready(idle, &mut cx)
+            });
         }
     }
 }
@@ -429,6 +447,123 @@ impl Drop for Driven {
             && let Some(pool) = self.pool.upgrade()
         {
             pool.give_back(tx, conn);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// An HTTP/1.1 upstream that answers every request on a connection, keep-alive, with the
+    /// client port of that connection.
+    fn upstream() -> std::net::SocketAddr {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        listener.set_nonblocking(true).unwrap();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                loop {
+                    let (mut s, peer) = listener.accept().await.unwrap();
+                    tokio::spawn(async move {
+                        let mut buf = Vec::new();
+                        let mut chunk = [0u8; 1024];
+                        loop {
+                            while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                                match s.read(&mut chunk).await {
+                                    Ok(0) | Err(_) => return,
+                                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                                }
+                            }
+                            buf.clear();
+                            let body = peer.port().to_string();
+                            let head = format!(
+                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                                body.len()
+                            );
+                            if s.write_all(head.as_bytes()).await.is_err() {
+                                return;
+                            }
+                        }
+                    });
+                }
+            });
+        });
+        addr
+    }
+
+    async fn port_of_connection(pool: &Arc<Pool>) -> u16 {
+        let req = Request::builder()
+            .uri("/")
+            .header(http::header::HOST, "app")
+            .body(crate::forward::full(""))
+            .unwrap();
+        let resp = pool.send(req, None).await.unwrap();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        std::str::from_utf8(&body).unwrap().parse().unwrap()
+    }
+
+    /// Connections are kept per runtime however many threads run one: past `SHARDS`
+    /// threads, lists are shared, and a thread must still take only its own connections.
+    #[test]
+    fn a_thread_with_a_runtime_of_its_own_never_takes_another_threads_connection() {
+        let addr = upstream();
+        let cfg: UpstreamConfig = crate::config::Config::from_yaml_with_env(
+            &format!(
+                "store: {{ postgres: {{ url: \"postgres://u@localhost/db\" }} }}\n\
+                 upstreams: {{ app: {{ url: \"http://{addr}\", timeout: 5s, idle_timeout: 60s }} }}\n\
+                 routes: [ {{ name: r, match: {{ path_prefix: / }}, upstream: app }} ]\n"
+            ),
+            &|_| None,
+        )
+        .unwrap()
+        .upstreams["app"]
+            .clone();
+        let pool = Pool::for_upstream(&cfg).unwrap();
+        let threads = 3 * SHARDS / 2;
+        let given_back = Arc::new(std::sync::Barrier::new(threads));
+        let done = Arc::new(std::sync::Barrier::new(threads));
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                let (pool, given_back, done) = (
+                    Arc::clone(&pool),
+                    Arc::clone(&given_back),
+                    Arc::clone(&done),
+                );
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    let first = rt.block_on(port_of_connection(&pool));
+                    given_back.wait();
+                    // Another runtime's connection may never be driven: bounded.
+                    let second = rt.block_on(async {
+                        tokio::time::timeout(Duration::from_secs(5), port_of_connection(&pool))
+                            .await
+                            .ok()
+                    });
+                    // The runtime (and its connections) lives until every thread is done.
+                    done.wait();
+                    (first, second)
+                })
+            })
+            .collect();
+        let ports: Vec<(u16, Option<u16>)> =
+            handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for (i, (first, second)) in ports.iter().enumerate() {
+            assert_eq!(
+                Some(*first),
+                *second,
+                "thread {i} reused its own connection"
+            );
         }
     }
 }

@@ -42,11 +42,51 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body type used on both sides of the proxy.
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
-/// A body from bytes.
+/// A body from bytes. Past [`PIECE`] bytes it yields them in pieces of that size (slices of
+/// one buffer, no copy): a connection takes the next piece only once it has room for it, so
+/// an answer waiting for a slow reader stays in its body, counted in the byte budget with
+/// it, instead of being queued whole on the connection at once.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    http_body_util::Full::new(bytes.into())
-        .map_err(|never| match never {})
-        .boxed_unsync()
+    let bytes = bytes.into();
+    if bytes.len() <= PIECE {
+        return http_body_util::Full::new(bytes)
+            .map_err(|never| match never {})
+            .boxed_unsync();
+    }
+    Pieces { rest: bytes }.boxed_unsync()
+}
+
+/// The largest piece [`full`] yields at once.
+pub const PIECE: usize = 64 * 1024;
+
+/// Bytes yielded [`PIECE`] at a time, with their exact length known up front.
+struct Pieces {
+    rest: Bytes,
+}
+
+impl hyper::body::Body for Pieces {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        if self.rest.is_empty() {
+            return std::task::Poll::Ready(None);
+        }
+        let n = self.rest.len().min(PIECE);
+        let piece = self.rest.split_to(n);
+        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(piece))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.rest.is_empty()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.rest.len() as u64)
+    }
 }
 
 /// A streamed body from a hyper body.
@@ -66,7 +106,7 @@ const FORWARDED: HeaderName = HeaderName::from_static("forwarded");
 /// lookup per hop-by-hop name costs more than the pass.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     use crate::headers::{HOP_BY_HOP, HOP_BY_HOP_LENGTHS};
-    let present = headers.keys().fold(0u8, |bits, name| {
+    let present = headers.keys().fold(0u16, |bits, name| {
         // Most names are ruled out by their length alone.
         let len = name.as_str().len();
         if len >= 32 || HOP_BY_HOP_LENGTHS & 1 << len == 0 {
@@ -181,7 +221,7 @@ impl Upstreams {
                 };
                 let h2c = cfg.http2 && cfg.url.scheme() == Some(&http::uri::Scheme::HTTP);
                 let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(h1::IDLE_TIMEOUT)
+                    .pool_idle_timeout(cfg.idle_timeout)
                     .pool_max_idle_per_host(h1::MAX_IDLE)
                     .http2_only(h2c)
                     .build(Pinned {
@@ -441,8 +481,15 @@ impl UpstreamClient {
         ) {
             headers.insert(FORWARDED, v);
         }
-        if let Some(host) = host {
-            headers.insert(X_FORWARDED_HOST, host);
+        // A client's own `X-Forwarded-Host` never reaches the upstream: this hop's host, or
+        // none when the request named none.
+        match host {
+            Some(host) => {
+                headers.insert(X_FORWARDED_HOST, host);
+            }
+            None => {
+                headers.remove(X_FORWARDED_HOST);
+            }
         }
         if let Some((name, key)) = forward_key
             && let Ok(v) = HeaderValue::from_str(key)
@@ -496,6 +543,8 @@ impl UpstreamClient {
     fn upstream_path(&self, incoming: &Uri) -> http::uri::PathAndQuery {
         let prefix = self.config.url.path().trim_end_matches('/');
         match incoming.path_and_query() {
+            // `OPTIONS *` stays in asterisk form: it asks about the server, not a path.
+            Some(pq) if pq.as_str() == "*" => pq.clone(),
             Some(pq) if prefix.is_empty() => pq.clone(),
             Some(pq) => format!("{prefix}{}", pq.as_str())
                 .parse()

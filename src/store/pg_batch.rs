@@ -6,31 +6,26 @@
 //! waiting request keeps. What a batch runs (the SQL and each key's answer) is in
 //! [`super::postgres`], behind [`Item`].
 //!
-//! Invariants:
-//! - A dispatcher task takes the first waiting request and a statement slot, and then
-//!   whatever else is queued at that moment (up to `batch_keys`). When no other statement of
-//!   its kind is running, that is the batch: a lone request goes straight through, so at low
-//!   load every key has its own statement, as without batching. When another one is running,
-//!   the batch keeps gathering until that statement ends, the batch is full, or its first
-//!   request's `acquire_timeout` passes, whichever comes first. Without this, under load the
-//!   free slot took whichever request came first, alone, and everything queued behind it
-//!   went in the other: about two statements in three carried one key, each with its own commit
-//!   (BENCHMARKS.md, "A batch gathers while the other runs"). The wait is never longer than
-//!   a statement already in the database takes, which a one-slot queue would wait too. The
-//!   batch's own task then takes a pooled connection, so a connection slow to come holds up
-//!   that batch and its slot, never the dispatcher.
-//! - At most [`STATEMENTS`] statements of each kind run at once. While they run, new requests
-//!   queue, as they would for a pooled connection, and the next statement carries all of
-//!   them: the busier the database, the larger the batches.
-//! - Each request keeps the bounds of one call: its wait for a slot and a connection ends
+//! Invariants (docs/guarantees.md, "Batches without shared fate"):
+//! - A batch gathers only while every pooled connection is busy. The dispatcher takes the
+//!   first waiting request and whatever else is queued at that moment (up to the limits),
+//!   then asks the pool for a connection: when one is idle that is at once, and the batch
+//!   goes as it is (a lone request at low load, as without batching); while none is, what
+//!   arrives joins the batch until a connection comes or the batch is full (`batch_keys`
+//!   keys, or `batch_bytes` of stored answers). So a request never waits for a batch to form
+//!   while a connection could run it, and never waits behind another statement for anything
+//!   but a connection, as it would without batching.
+//! - Each request keeps the bounds of one call: its wait for a connection ends
 //!   `acquire_timeout` after it was queued, and past that it is answered `AcquireTimeout`
-//!   (nothing of it was sent). The first request of a batch bounds the wait for the slot; the
-//!   connection is waited for until the youngest request's deadline, and the requests whose
-//!   own deadline passed meanwhile are answered `AcquireTimeout` and left out. When no
-//!   connection comes, every request of the batch gets the pool's answer. The statement runs
-//!   within `statement_timeout`, with the same client-side bound, cancel and detach as every
-//!   statement ([`super::postgres::Db::bounded`]). What a request does after its batch (a
-//!   key that exists goes to the full claim) is a call of its own, with its own bounds.
+//!   (nothing of it was sent); the others of its batch, still within their own bound, start
+//!   the next batch. When the pool fails otherwise, every request of the batch gets the
+//!   pool's answer. The statement runs within `statement_timeout`, with the same client-side
+//!   bound, cancel and detach as every statement ([`super::postgres::Db::bounded`]).
+//! - No shared fate: when a statement of several keys fails (a row locked past the
+//!   statement timeout, a deadlock, an error), each of its keys runs again alone, with its own
+//!   statement and bounds, before any of them is failed ([`answer_all`]); only a key that
+//!   fails alone is answered the error. What a request does after its batch (a key that
+//!   exists goes to the full claim) is a call of its own, with its own bounds.
 //! - Every request is answered exactly once: by its batch; by the dropped answer channel when
 //!   its batch panicked (a bug); or by the closed queue when the store is gone. The caller
 //!   reports the last two as internal errors. Nobody hangs.
@@ -42,19 +37,11 @@ use std::future::Future;
 use std::sync::{Arc, OnceLock};
 
 use deadpool_postgres::Object;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
 use super::StoreError;
 use super::postgres::Db;
-
-/// Statements of one kind (claims, completions) that run at once. Two: one in the database
-/// while the next one's requests gather. Measured on two cores with 32 clients of new keys
-/// (BENCHMARKS.md, "Two slots, measured"): one and two slots ran at about the same rate (one
-/// slot's larger batches cost PostgreSQL 123-130 µs per key, two slots' 141-146); three, four
-/// and eight slots made smaller batches, 174-314 µs. The rest of the pool serves everything
-/// else.
-pub(super) const STATEMENTS: usize = 2;
 
 /// What one request asks of a batch, and how a batch of such asks runs.
 pub(super) trait Item: Send + Sized + 'static {
@@ -62,6 +49,10 @@ pub(super) trait Item: Send + Sized + 'static {
     const OP: &'static str;
     /// What each request gets back.
     type Answer: Send + 'static;
+    /// The stored answer this request carries, counted against `batch_bytes`.
+    fn bytes(&self) -> usize {
+        0
+    }
     /// Runs a batch on `obj` and answers each request in it.
     fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Self>>) -> impl Future<Output = ()> + Send;
 }
@@ -93,7 +84,10 @@ pub(super) fn fail_all<T: Item>(batch: Vec<Waiting<T>>, e: &StoreError) {
 }
 
 /// Answers a batch from what its statement found: each request its own answer, in order;
-/// each request `alone` when the statement could not tell (`None`); the error to all.
+/// each request `alone` when the statement could not tell (`None`) or failed while it
+/// carried several keys (one key's lock, timeout or error must not fail the others: each
+/// runs its own statement, and fails only for a reason of its own); the error to a request
+/// that was alone in its statement.
 pub(super) fn answer_all<T: Item>(
     batch: Vec<Waiting<T>>,
     found: Result<Option<Vec<T::Answer>>, StoreError>,
@@ -106,6 +100,7 @@ pub(super) fn answer_all<T: Item>(
             }
         }
         Ok(None) => batch.into_iter().for_each(alone),
+        Err(_) if batch.len() > 1 => batch.into_iter().for_each(alone),
         Err(e) => fail_all(batch, &e),
     }
 }
@@ -113,15 +108,15 @@ pub(super) fn answer_all<T: Item>(
 /// A queue and its dispatcher, started on first use (a store is built outside a runtime).
 pub(super) struct Queue<T: Item> {
     db: Arc<Db>,
-    batch_keys: usize,
+    limits: Limits,
     sender: OnceLock<mpsc::UnboundedSender<Waiting<T>>>,
 }
 
 impl<T: Item> Queue<T> {
-    pub(super) fn new(db: Arc<Db>, batch_keys: usize) -> Queue<T> {
+    pub(super) fn new(db: Arc<Db>, limits: Limits) -> Queue<T> {
         Queue {
             db,
-            batch_keys,
+            limits,
             sender: OnceLock::new(),
         }
     }
@@ -131,7 +126,7 @@ impl<T: Item> Queue<T> {
     pub(super) async fn ask(&self, ask: T) -> Result<T::Answer, StoreError> {
         let sender = self.sender.get_or_init(|| {
             let (sender, receiver) = mpsc::unbounded_channel();
-            tokio::spawn(dispatch(Arc::clone(&self.db), receiver, self.batch_keys));
+            tokio::spawn(dispatch(Arc::clone(&self.db), receiver, self.limits));
             sender
         });
         let (answer, answered) = oneshot::channel();
@@ -159,91 +154,139 @@ impl<T: Item> Queue<T> {
 async fn dispatch<T: Item>(
     db: Arc<Db>,
     mut queue: mpsc::UnboundedReceiver<Waiting<T>>,
-    batch_keys: usize,
+    limits: Limits,
 ) {
-    let slots = Arc::new(Semaphore::new(STATEMENTS));
-    while let Some(first) = queue.recv().await {
-        let deadline = first.queued + db.acquire_timeout;
-        let Ok(Ok(slot)) =
-            tokio::time::timeout_at(deadline, Arc::clone(&slots).acquire_owned()).await
-        else {
-            first.answer(Err(StoreError::AcquireTimeout));
-            continue;
-        };
-        let mut batch = Vec::with_capacity(batch_keys.min(64));
-        batch.push(first);
-        take_queued(&mut queue, &mut batch, batch_keys);
-        if batch.len() < batch_keys && slots.available_permits() + 1 < STATEMENTS {
-            gather(&mut queue, &mut batch, batch_keys, &slots, deadline).await;
-        }
-        // The connection is taken in the batch's task: one slow to come (the database
-        // restarting) holds up its batch and its slot, never the dispatcher.
-        let db = Arc::clone(&db);
-        tokio::spawn(async move {
-            let youngest = batch
-                .last()
-                .map_or(deadline, |w| w.queued + db.acquire_timeout);
-            match db.conn_by(youngest).await {
-                Ok(obj) => {
-                    let now = Instant::now();
-                    let (late, batch): (Vec<_>, Vec<_>) = batch
-                        .into_iter()
-                        .partition(|w| w.queued + db.acquire_timeout < now);
-                    fail_all(late, &StoreError::AcquireTimeout);
-                    if batch.is_empty() {
-                        drop(obj);
-                    } else {
-                        // Boxed: the spawned future is then the connection's wait alone.
-                        Box::pin(T::run(db, obj, batch)).await;
-                    }
-                }
-                Err(e) => fail_all(batch, &e),
+    // Requests that were waiting for a connection when the oldest of their batch ran out of
+    // time: they start the next batch.
+    let mut carried: Vec<Waiting<T>> = Vec::new();
+    let mut open = true;
+    loop {
+        if carried.is_empty() {
+            match queue.recv().await {
+                Some(first) => carried.push(first),
+                None => return,
             }
-            drop(slot);
-        });
-    }
-}
-
-/// Moves what is queued now into `batch`, up to `batch_keys`.
-fn take_queued<T: Item>(
-    queue: &mut mpsc::UnboundedReceiver<Waiting<T>>,
-    batch: &mut Vec<Waiting<T>>,
-    batch_keys: usize,
-) {
-    while batch.len() < batch_keys {
-        match queue.try_recv() {
-            Ok(item) => batch.push(item),
-            Err(_) => break,
+        }
+        let mut batch = Batch::new(std::mem::take(&mut carried), limits);
+        batch.take_queued(&mut queue);
+        let oldest = batch
+            .items
+            .iter()
+            .map(|w| w.queued)
+            .min()
+            .expect("a batch is never empty");
+        let deadline = oldest + db.acquire_timeout;
+        // A connection now when one is idle; while none is, what arrives joins the batch.
+        let got = {
+            let conn = db.conn_by(deadline);
+            tokio::pin!(conn);
+            loop {
+                tokio::select! {
+                    biased;
+                    got = &mut conn => break got,
+                    item = queue.recv(), if open && !batch.full() => match item {
+                        Some(item) => batch.push(item),
+                        None => open = false,
+                    },
+                }
+            }
+        };
+        carried.extend(batch.overflow.take());
+        let now = Instant::now();
+        let (late, batch): (Vec<_>, Vec<_>) = batch
+            .items
+            .into_iter()
+            .partition(|w| w.queued + db.acquire_timeout <= now);
+        match got {
+            Ok(obj) => {
+                fail_all(late, &StoreError::AcquireTimeout);
+                if batch.is_empty() {
+                    continue;
+                }
+                let db = Arc::clone(&db);
+                // Boxed: the spawned future is then the statement's alone.
+                tokio::spawn(Box::pin(T::run(db, obj, batch)));
+            }
+            // No connection came in time for the oldest: it and any other whose own bound
+            // passed are answered; the rest still have time, and start the next batch.
+            Err(StoreError::AcquireTimeout) => {
+                fail_all(late, &StoreError::AcquireTimeout);
+                let overflow = std::mem::replace(&mut carried, batch);
+                carried.extend(overflow);
+            }
+            Err(e) => {
+                fail_all(late, &e);
+                fail_all(batch, &e);
+            }
+        }
+        if !open && carried.is_empty() {
+            // The store is gone: answer what is still queued.
+            while let Ok(item) = queue.try_recv() {
+                item.answer(Err(StoreError::Internal(format!(
+                    "the {} queue has stopped",
+                    T::OP
+                ))));
+            }
+            return;
         }
     }
 }
 
-/// While another statement of this kind runs (the caller holds one slot, another is taken),
-/// adds requests to `batch` as they come, until a slot frees (a running statement ended),
-/// the batch is full, or `deadline` (the first request's) passes. See the module docs.
-async fn gather<T: Item>(
-    queue: &mut mpsc::UnboundedReceiver<Waiting<T>>,
-    batch: &mut Vec<Waiting<T>>,
-    batch_keys: usize,
-    slots: &Semaphore,
-    deadline: Instant,
-) {
-    let ended = tokio::time::timeout_at(deadline, async {
-        // Resolves when a running statement gives its slot back; the permit is returned at
-        // once (the batch already holds its own).
-        let _ = slots.acquire().await;
-    });
-    tokio::pin!(ended);
-    while batch.len() < batch_keys {
-        tokio::select! {
-            biased;
-            _ = &mut ended => break,
-            item = queue.recv() => match item {
-                Some(item) => batch.push(item),
-                None => break,
-            },
+/// How large one batch may grow.
+#[derive(Clone, Copy)]
+pub(super) struct Limits {
+    /// `store.postgres.batch_keys`.
+    pub(super) keys: usize,
+    /// `store.postgres.batch_bytes`: the stored answers one batch carries.
+    pub(super) bytes: usize,
+}
+
+/// A batch as it gathers, within its [`Limits`] (a first request is always taken, whatever
+/// its size).
+struct Batch<T: Item> {
+    items: Vec<Waiting<T>>,
+    bytes: usize,
+    limits: Limits,
+    /// A request that did not fit in `bytes`: it starts the next batch.
+    overflow: Option<Waiting<T>>,
+}
+
+impl<T: Item> Batch<T> {
+    fn new(items: Vec<Waiting<T>>, limits: Limits) -> Batch<T> {
+        let bytes = items.iter().map(|w| w.ask.bytes()).sum();
+        Batch {
+            items,
+            bytes,
+            limits,
+            overflow: None,
         }
     }
-    // Whatever arrived with the statement's end rides along.
-    take_queued(queue, batch, batch_keys);
+
+    fn full(&self) -> bool {
+        self.items.len() >= self.limits.keys
+            || self.bytes >= self.limits.bytes
+            || self.overflow.is_some()
+    }
+
+    /// Adds a request. One that would take the batch past `bytes` still joins an empty batch,
+    /// and otherwise fills it: nothing more is gathered.
+    fn push(&mut self, item: Waiting<T>) {
+        let n = item.ask.bytes();
+        if !self.items.is_empty() && self.bytes + n > self.limits.bytes {
+            self.overflow = Some(item);
+            return;
+        }
+        self.bytes += n;
+        self.items.push(item);
+    }
+
+    /// Moves what is queued now into the batch, until it is full.
+    fn take_queued(&mut self, queue: &mut mpsc::UnboundedReceiver<Waiting<T>>) {
+        while !self.full() {
+            match queue.try_recv() {
+                Ok(item) => self.push(item),
+                Err(_) => break,
+            }
+        }
+    }
 }

@@ -80,7 +80,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::pg_batch::{Item, Queue, Waiting, answer_all};
+use super::pg_batch::{Item, Limits, Queue, Waiting, answer_all};
 use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
     BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
@@ -171,6 +171,26 @@ const CLAIM_NEW_BATCH_TYPES: &[Type] = &[
     Type::INT8_ARRAY,
     Type::INT8_ARRAY,
 ];
+
+/// A look at a key that exists, written nothing: what [`CLAIM_SQL`] would answer for a row
+/// it does not take over (the same columns), and whether it would take it over
+/// (`claimable`). A replay, a mismatch, a key in flight or held is answered from this read
+/// alone: no row lock, no transaction id, no WAL, no commit to wait for. Only a claimable
+/// row goes on to [`CLAIM_SQL`], which locks it.
+const LOOK_SQL: &str = "
+SELECT k.state, NULL::text AS token, k.attempts, k.fingerprint, k.status, k.headers, k.body,
+       k.state = 'in_flight' AND k.lease_expires_at <= now() AS lease_expired,
+       greatest(0, ceil(extract(epoch FROM k.lease_expires_at - now()) * 1000))::bigint
+           AS lease_remaining_ms,
+       false AS stale,
+       greatest(0, floor(extract(epoch FROM k.expires_at - now()) * 1000))::bigint
+           AS expires_in_ms,
+       k.expires_at <= now()
+         OR (NOT $4 AND k.state = 'in_flight' AND k.lease_expires_at <= now()
+             AND k.fingerprint = $3) AS claimable
+  FROM idemgate_keys k
+ WHERE k.scope = $1 AND k.key = $2";
+const LOOK_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::BYTEA, Type::BOOL];
 
 /// The claim when the key exists: takes it over when claimable, or reads what is there.
 const CLAIM_SQL: &str = "
@@ -310,13 +330,22 @@ DELETE FROM idemgate_keys
 RETURNING CASE WHEN waiters THEN pg_notify('idemgate_keys', $4) END AS announced";
 const RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::TEXT, Type::TEXT, Type::TEXT];
 
-/// A waiter asks to be told when the key is finished. The row lock orders it against the
-/// finishing write: either the finisher sees `waiters` and announces, or this statement sees
-/// the row no longer in flight (no row back) and the waiter looks again at once.
+/// A waiter asks to be told when the key is finished. The first one sets `waiters`: the row
+/// lock orders it against the finishing write, so either the finisher sees `waiters` and
+/// announces, or this statement sees the row no longer in flight (no row back) and the
+/// waiter looks again at once. Once `waiters` is set (committed), later waiters only read
+/// it: the finisher will announce, and the row is not written again for each look.
 const WATCH_SQL: &str = "
-UPDATE idemgate_keys SET waiters = true
- WHERE scope = $1 AND key = $2 AND state = 'in_flight'
-RETURNING 1";
+WITH asked AS (
+    UPDATE idemgate_keys SET waiters = true
+     WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND NOT waiters
+    RETURNING 1
+)
+SELECT 1 FROM asked
+UNION ALL
+SELECT 1 FROM idemgate_keys
+ WHERE scope = $1 AND key = $2 AND state = 'in_flight' AND waiters
+   AND NOT EXISTS (SELECT 1 FROM asked)";
 const WATCH_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
 
 /// Takes a slot of a scope for a route with limit `$2`, in one round trip: the function
@@ -776,6 +805,16 @@ impl Db {
     }
 }
 
+/// TCP keepalive on a store connection, well below the kernel's two-hour default: a
+/// connection whose peer vanished (a failover, a dropped NAT entry) is noticed in about a
+/// minute instead of hanging a statement or the wake-up listener until then.
+fn keepalive(cfg: &mut tokio_postgres::Config) {
+    cfg.keepalives(true);
+    cfg.keepalives_idle(Duration::from_secs(30));
+    cfg.keepalives_interval(Duration::from_secs(10));
+    cfg.keepalives_retries(3);
+}
+
 impl PgStore {
     /// Builds the pool. Connections are opened lazily, so this succeeds with Postgres down.
     pub fn new(cfg: &PostgresConfig) -> Result<PgStore, StoreError> {
@@ -785,11 +824,15 @@ impl PgStore {
             .map_err(|_| StoreError::Connect("invalid connection string".into()))?;
         pg.connect_timeout(cfg.connect_timeout);
         pg.application_name("idemgate");
+        keepalive(&mut pg);
         if cfg.pooler == Pooler::None {
             // A pooler refuses startup options it does not know (PgBouncer: `options`),
             // and would not keep them per client anyway; behind one the client keeps the bound.
+            // The statements are written for READ COMMITTED (a claim reads the newest
+            // committed row, and takes it over under its lock): a database or role whose
+            // default is `serializable` or `repeatable read` would fail them with 40001.
             pg.options(format!(
-                "-c statement_timeout={}",
+                "-c statement_timeout={} -c default_transaction_isolation=read\\ committed",
                 cfg.statement_timeout.as_millis()
             ));
         }
@@ -798,6 +841,7 @@ impl PgStore {
             .parse()
             .map_err(|_| StoreError::Connect("invalid listen connection string".into()))?;
         listen.connect_timeout(cfg.connect_timeout);
+        keepalive(&mut listen);
         let tls = match cfg.tls {
             PgTlsMode::Disable => {
                 pg.ssl_mode(SslMode::Disable);
@@ -845,7 +889,13 @@ impl PgStore {
             tls,
         });
         Ok(PgStore {
-            batches: (cfg.batch_keys > 1).then(|| Batches::new(Arc::clone(&db), cfg.batch_keys)),
+            batches: (cfg.batch_keys > 1).then(|| {
+                let limits = Limits {
+                    keys: cfg.batch_keys,
+                    bytes: cfg.batch_bytes,
+                };
+                Batches::new(Arc::clone(&db), limits)
+            }),
             db,
             listen,
             wakeups: Arc::default(),
@@ -995,6 +1045,19 @@ impl PgStore {
                         return Ok(Found::New(LeaseToken(token)));
                     }
                 }
+                // A row that will not be taken over is answered from a read (LOOK_SQL).
+                let look = c
+                    .query_opt(
+                        LOOK_SQL,
+                        LOOK_TYPES,
+                        &[&p.scope, &p.key, &p.fingerprint, &req.hold_expired_leases],
+                    )
+                    .await?;
+                if let Some(row) = look
+                    && !row.get::<_, bool>("claimable")
+                {
+                    return Ok(Found::Existing(Some(row)));
+                }
                 c.query_opt(
                     CLAIM_SQL,
                     CLAIM_TYPES,
@@ -1090,10 +1153,10 @@ struct Batches {
 }
 
 impl Batches {
-    fn new(db: Arc<Db>, batch_keys: usize) -> Batches {
+    fn new(db: Arc<Db>, limits: Limits) -> Batches {
         Batches {
-            claims: Queue::new(Arc::clone(&db), batch_keys),
-            finishes: Queue::new(db, batch_keys),
+            claims: Queue::new(Arc::clone(&db), limits),
+            finishes: Queue::new(db, limits),
         }
     }
 
@@ -1302,6 +1365,13 @@ impl Keyed for Completion {
 impl Item for Completion {
     const OP: &'static str = "finish";
     type Answer = Finished;
+
+    fn bytes(&self) -> usize {
+        match &self.outcome {
+            Outcome::Completed(stored) => stored.body.len(),
+            _ => 0,
+        }
+    }
 
     async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Completion>>) {
         let batch = one_per_key(batch, Completion::alone);

@@ -17,7 +17,17 @@ backend_tests!(
         new_keys_waiting_together_share_statements_and_keep_their_own_answers,
         keys_that_exist_in_a_batch_are_left_to_the_full_claim,
         a_batched_completion_is_fenced_by_each_keys_own_lease,
-        while_a_statement_runs_the_next_batch_gathers_until_it_ends,
+    ]
+);
+
+// With a pool of two connections (the pooler keeps its own pool, so these run on the direct
+// stores): what gathers, and what one key's lock does to the others of its batch.
+backend_tests!(
+    direct: Postgres, direct_partitioned: Partitioned;
+    [
+        a_batch_gathers_only_while_every_connection_is_busy,
+        a_locked_row_fails_no_other_claim_of_its_batch,
+        a_locked_row_fails_no_other_completion_of_its_batch,
     ]
 );
 
@@ -133,40 +143,54 @@ async fn new_keys_waiting_together_share_statements_and_keep_their_own_answers(b
     assert_eq!(up.executions(), N);
 }
 
-/// Under load the free statement slot does not go to whichever request came first, alone:
-/// while another claim statement is in the database, the next batch keeps gathering until
-/// that statement ends, and then carries everyone who came meanwhile.
-async fn while_a_statement_runs_the_next_batch_gathers_until_it_ends(b: Backend) {
-    const N: usize = 20;
-    const BODY: &str = "{\"amount\":1}";
-    let up = Upstream::start().await;
-    let (gw, _file) = gateway(b, &up).await;
-    let db = gw.sql().await;
-    let urls = vec![gw.url("/pay")];
+/// A gateway with two pooled connections, 3s to get one and 1s per statement.
+async fn two_connections(b: Backend, up: &Upstream) -> (TestGateway, Option<TempDb>) {
+    TestGateway::on_with(b, up, "", |y| {
+        y.patch("pool_size: 8", "pool_size: 2")
+            .patch("acquire_timeout: 500ms", "acquire_timeout: 3s")
+    })
+    .await
+}
 
-    // The first claim goes alone (nothing else runs) and waits for the lock.
+/// Keyed POSTs sent at once, in a task.
+fn send_keys(gw: &TestGateway, keys: &[&str]) -> tokio::task::JoinHandle<Vec<Reply>> {
+    let urls = vec![gw.url("/pay")];
+    let keys: Vec<(String, String)> = keys
+        .iter()
+        .map(|k| ("acct".to_string(), k.to_string()))
+        .collect();
+    tokio::spawn(async move { at_once(&urls, keys, "{\"amount\":1}").await })
+}
+
+/// While a pooled connection is idle, a request goes at once, alone: a batch gathers only
+/// once every connection is busy, and then carries everyone who came meanwhile.
+async fn a_batch_gathers_only_while_every_connection_is_busy(b: Backend) {
+    const N: usize = 12;
+    let up = Upstream::start().await;
+    let (gw, _file) = two_connections(b, &up).await;
+    let db = gw.sql().await;
     let lock = lock_writes(&gw).await;
-    let first = {
-        let urls = urls.clone();
-        let key = vec![("acct-1".to_string(), "first".to_string())];
-        tokio::spawn(async move { at_once(&urls, key, BODY).await })
-    };
+    // The first claim takes a connection and waits for the lock; the second, sent after it,
+    // does not wait for the first to gather company: it takes the idle connection.
+    let first = send_keys(&gw, &["first"]);
     wait_until(
         "the first claim waits for the lock",
         Duration::from_secs(10),
         || async { lock_waiters(&db).await == 1 },
     )
     .await;
-
-    // N more come while it waits: all of them read and holding their bodies...
-    let rest = {
-        let urls = urls.clone();
-        let keys: Vec<(String, String)> = (0..N)
-            .map(|i| (format!("acct-{}", i % 3), format!("k{i}")))
-            .collect();
-        tokio::spawn(async move { at_once(&urls, keys, BODY).await })
-    };
-    let held = ((N + 1) * BODY.len()) as f64;
+    let second = send_keys(&gw, &["second"]);
+    wait_until(
+        "the second claim waits beside it",
+        Duration::from_secs(10),
+        || async { lock_waiters(&db).await == 2 },
+    )
+    .await;
+    // Both connections are busy now: the next ones gather, every body read and held.
+    let keys: Vec<String> = (0..N).map(|i| format!("k{i}")).collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let rest = send_keys(&gw, &refs);
+    let held = ((N + 2) * "{\"amount\":1}".len()) as f64;
     wait_until(
         "every request holds its body",
         Duration::from_secs(10),
@@ -176,22 +200,209 @@ async fn while_a_statement_runs_the_next_batch_gathers_until_it_ends(b: Backend)
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    // ...and none of them took the free slot alone: still one statement in the database.
-    assert_eq!(lock_waiters(&db).await, 1, "a second statement was sent");
+    assert_eq!(
+        lock_waiters(&db).await,
+        2,
+        "only the two connections' statements wait"
+    );
     lock.batch_execute("COMMIT")
         .await
         .expect("releasing the lock");
-
-    let first = first.await.unwrap();
-    let rest = rest.await.unwrap();
+    let mut replies: Vec<Reply> = Vec::new();
+    for t in [first, second, rest] {
+        replies.extend(t.await.unwrap());
+    }
+    assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
+    assert_eq!(up.executions(), N + 2);
+    // Each of the first two alone; the N that came while both were busy in fewer statements.
+    let (statements, claimed) = batches(&gw, "claim_new").await;
+    assert_eq!(claimed, (N + 2) as f64);
     assert!(
-        first.iter().chain(&rest).all(|r| r.status == 201),
-        "{first:?} {rest:?}"
+        (3.0..(N + 2) as f64).contains(&statements),
+        "{statements} statements for {} keys",
+        N + 2
     );
-    assert_eq!(up.executions(), N + 1);
-    // Two claim statements: the first key alone, then the N that gathered behind it.
-    assert_eq!(batches(&gw, "claim_new").await, (2.0, (N + 1) as f64));
+}
+
+/// An operator's transaction holds a row of the keys table (updated, not committed) and,
+/// until [`ROLLBACK TO SAVEPOINT`](release_table), the whole table against writes.
+async fn hold_row_and_table(gw: &TestGateway, key: &str) -> tokio_postgres::Client {
+    let c = sql(&gw.db).await;
+    c.batch_execute("BEGIN").await.unwrap();
+    let n = c
+        .execute(
+            "UPDATE idemgate_keys SET expires_at = expires_at WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "the row to hold exists");
+    c.batch_execute("SAVEPOINT table_lock; LOCK TABLE idemgate_keys IN EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    c
+}
+
+/// Lets the table go, keeping the row.
+async fn release_table(c: &tokio_postgres::Client) {
+    c.batch_execute("ROLLBACK TO SAVEPOINT table_lock")
+        .await
+        .unwrap();
+}
+
+/// A claim of a key whose row an operator holds shares its batch with new keys: they are
+/// claimed and forwarded, each once; only the held key waits (and fails for its own reason).
+async fn a_locked_row_fails_no_other_claim_of_its_batch(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _file) = two_connections(b, &up).await;
+    let c = client();
+    assert_eq!(
+        post(&c, &gw, "acct", "held", "{\"amount\":1}").await.status,
+        201
+    );
+    let db = gw.sql().await;
+    let operator = hold_row_and_table(&gw, "held").await;
+    // Two claims take the two connections and wait for the table...
+    let first = send_keys(&gw, &["a1", "a2"]);
+    wait_until(
+        "two claims wait for the table",
+        Duration::from_secs(10),
+        || async { lock_waiters(&db).await == 2 },
+    )
+    .await;
+    // ...and the held key's retry gathers with six new keys behind them.
+    let gathered = send_keys(&gw, &["held", "b0", "b1", "b2", "b3", "b4", "b5"]);
+    let held = (9 * "{\"amount\":1}".len()) as f64;
+    wait_until(
+        "every request holds its body",
+        Duration::from_secs(10),
+        || async {
+            let text = admin_request(&gw, Method::GET, "/metrics", None).await.body;
+            metric(&String::from_utf8_lossy(&text), "idemgate_buffered_bytes ") >= held
+        },
+    )
+    .await;
+    release_table(&operator).await;
+    let first = first.await.unwrap();
+    let gathered = gathered.await.unwrap();
+    assert!(first.iter().all(|r| r.status == 201), "{first:?}");
+    for r in &gathered[1..] {
+        assert_eq!(
+            r.status, 201,
+            "an unrelated key failed with the held one: {r:?}"
+        );
+    }
+    // One execution for the held key (before the hold), one for each new key.
+    assert_eq!(up.executions(), 1 + 2 + 6);
+    operator.batch_execute("ROLLBACK").await.unwrap();
+    let again = post(&c, &gw, "acct", "held", "{\"amount\":1}").await;
+    assert!(again.replayed(), "{again:?}");
+    assert_eq!(up.executions(), 9);
+}
+
+/// Completions of several keys in one batch, one of whose rows an operator holds: every
+/// other key's answer is written; the held key's completion alone fails.
+async fn a_locked_row_fails_no_other_completion_of_its_batch(b: Backend) {
+    let up = Upstream::start().await;
+    let (gw, _file) = two_connections(b, &up).await;
+    let fp = [7u8; 32];
+    let claim = |key: String| {
+        let store = gw.store.clone();
+        async move {
+            let claim = store
+                .claim(ClaimRequest {
+                    scope: "s",
+                    key: &key,
+                    route: "r",
+                    fingerprint: &fp,
+                    lease: Duration::from_secs(30),
+                    ttl: Duration::from_secs(60),
+                    hold_expired_leases: false,
+                })
+                .await
+                .unwrap();
+            let idemgate::store::Claim::Acquired { token, .. } = claim else {
+                panic!("{key} was not claimed: {claim:?}")
+            };
+            (key, token)
+        }
+    };
+    let mut tokens = Vec::new();
+    for i in 0..9 {
+        tokens.push(claim(format!("c{i}")).await);
+    }
+    let finish = |(key, token): (String, idemgate::store::LeaseToken)| {
+        let store = gw.store.clone();
+        tokio::spawn(async move {
+            let answer = idemgate::replay::StoredResponse {
+                status: 201,
+                headers: vec![],
+                body: bytes::Bytes::from(format!("answer of {key}")),
+            };
+            store
+                .finish(
+                    "s",
+                    &key,
+                    &token,
+                    Outcome::Completed(answer),
+                    Duration::from_secs(60),
+                )
+                .await
+        })
+    };
+    let db = gw.sql().await;
+    let operator = hold_row_and_table(&gw, "c0").await;
+    let mut tokens = tokens.into_iter();
+    // Two completions take the two connections and wait for the table...
+    let first: Vec<_> = tokens.by_ref().skip(1).take(2).map(finish).collect();
+    wait_until(
+        "two completions wait for the table",
+        Duration::from_secs(10),
+        || async { lock_waiters(&db).await == 2 },
+    )
+    .await;
+    // ...and the held key's gathers with six others behind them.
+    let mut rest: Vec<_> = tokens.map(finish).collect();
+    rest.push(finish(tokens_of(&gw, "c0").await));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    release_table(&operator).await;
+    for f in first {
+        assert!(f.await.unwrap().unwrap());
+    }
+    let held = rest.pop().unwrap();
+    for f in rest {
+        assert!(f.await.unwrap().unwrap(), "an unrelated completion failed");
+    }
+    // The held key's completion fails on its own, within its statement bound.
+    assert!(
+        held.await.unwrap().is_err(),
+        "the held row cannot be written"
+    );
+    operator.batch_execute("ROLLBACK").await.unwrap();
+    for i in 1..9 {
+        let row = db
+            .query_one(
+                "SELECT state FROM idemgate_keys WHERE key = $1",
+                &[&format!("c{i}")],
+            )
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, String>(0), "completed", "c{i}");
+    }
+}
+
+/// The lease token of a claimed key, read back from its row.
+async fn tokens_of(gw: &TestGateway, key: &str) -> (String, idemgate::store::LeaseToken) {
+    let row = gw
+        .sql()
+        .await
+        .query_one(
+            "SELECT lease_token::text FROM idemgate_keys WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    (key.to_string(), idemgate::store::LeaseToken(row.get(0)))
 }
 
 async fn keys_that_exist_in_a_batch_are_left_to_the_full_claim(b: Backend) {

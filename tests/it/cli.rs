@@ -101,6 +101,32 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A `ttl` equal to the lease would let a crashed attempt's row expire with its lease, and
+/// the retry after it run uncounted: refused, on the release binary.
+#[test]
+fn a_ttl_not_longer_than_the_lease_exits_64() {
+    let dir = std::env::temp_dir().join(format!("idemgate-cli-ttl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    let text = std::fs::read_to_string(example()).unwrap();
+    let text = text.patch("ttl: 24h", "ttl: 45s");
+    std::fs::write(&bad, text).unwrap();
+    let out = idemgate()
+        .args(["check", "--config"])
+        .arg(&bad)
+        .env("DATABASE_URL", "postgres://u@localhost/db")
+        .env("IDEMGATE_ADMIN_TOKEN", "an-example-token-for-tests")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("routes[0].idempotency.ttl: must be longer than the lease (45s)"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[tokio::test]
 async fn the_demo_passes_every_check_on_postgres_too() {
     let db = crate::support::pg::fresh_database().await;

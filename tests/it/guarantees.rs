@@ -152,7 +152,7 @@ async fn a_waiter_forwards_itself_once_the_first_attempt_released_its_key() {
 #[tokio::test]
 async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
     let up = Upstream::start().await;
-    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "ttl: 3s\n      lease: 3s", |y| {
+    let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, "ttl: 4s\n      lease: 3s", |y| {
         y.patch(
             "connect_timeout: 200ms, timeout: 5s",
             "connect_timeout: 200ms, timeout: 1s",
@@ -180,7 +180,7 @@ async fn a_held_key_is_forwarded_again_once_its_ttl_ran_out() {
         ..Default::default()
     })
     .await;
-    let idem = "ttl: 3s\n      lease: 3s\n      on_unknown_outcome: hold";
+    let idem = "ttl: 4s\n      lease: 3s\n      on_unknown_outcome: hold";
     let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, idem, |y| {
         y.patch(
             "connect_timeout: 200ms, timeout: 5s",
@@ -239,11 +239,22 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: B
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let c = client();
     assert_eq!(post(&c, &gw, "a", "k", "x").await.status, 201);
+    // Expired, the row is claimable: a claim must take it over, under its lock. (A row a
+    // claim only reads, a replay or a mismatch, is answered from a read that waits for no
+    // lock.)
+    gw.sql()
+        .await
+        .execute(
+            "UPDATE idemgate_keys SET expires_at = now() - interval '1 second'",
+            &[],
+        )
+        .await
+        .unwrap();
     let _locker = lock_row(&gw, &scoped("a"), "k").await;
     let started = Instant::now();
-    // Another request under the locked key: its claim waits for the lock until the
-    // statement timeout (1s), then the client is told the store is unavailable.
-    let r = post(&c, &gw, "a", "k", "other body").await;
+    // A retry under the locked key: its claim waits for the lock until the statement
+    // timeout (1s), then the client is told the store is unavailable.
+    let r = post(&c, &gw, "a", "k", "x").await;
     let elapsed = started.elapsed();
     assert_eq!((r.status, r.problem().as_str()), (503, "store-unavailable"));
     // A hang check against the configured bound (acquire 500ms + statement 1s), with a

@@ -607,23 +607,29 @@ async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes
         || async { tasks.iter().filter(|t| t.is_finished()).count() + up.reading() == 8 },
     )
     .await;
-    // 1 MiB holds three 300 KiB bodies, not four.
-    assert_eq!(up.reading(), 3, "bodies admitted at once");
+    // Bodies are reserved as they arrive: which of the eight fit in 1 MiB depends on how
+    // their bytes interleave, but at most three 300 KiB bodies do, at least one always does
+    // (a refusal gives its bytes back at once), and every other is refused, never forwarded.
+    let admitted = up.reading();
+    assert!(
+        (1..=3).contains(&admitted),
+        "{admitted} bodies admitted at once"
+    );
     let admin = format!("http://{}/metrics", gw.admin);
     let c = client();
     let text =
         String::from_utf8_lossy(&send(&c, Method::GET, &admin, &[], "").await.body).into_owned();
     assert_eq!(
         metric(&text, "idemgate_buffered_bytes "),
-        (3 * 300 * 1024) as f64,
-        "the gauge holds the three admitted bodies"
+        (admitted * 300 * 1024) as f64,
+        "the gauge holds the admitted bodies, and nothing of the refused ones"
     );
     assert_eq!(
         metric(
             &text,
             "idemgate_overloaded_total{upstream=\"app\",bound=\"max_buffered_bytes\"}"
         ),
-        5.0
+        (8 - admitted) as f64
     );
     up.release.add_permits(8);
     let mut ok = 0;
@@ -638,8 +644,8 @@ async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes
             other => panic!("unexpected {other}"),
         }
     }
-    assert_eq!(ok, 3);
-    assert_eq!(up.heads(), 3, "no refused request was forwarded");
+    assert_eq!(ok, admitted);
+    assert_eq!(up.heads(), admitted, "no refused request was forwarded");
     wait_until(
         "every byte is given back",
         Duration::from_secs(10),

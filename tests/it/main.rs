@@ -10,6 +10,7 @@ mod crash_and_shutdown;
 mod deploy;
 mod dockerfile;
 mod docs;
+mod edge;
 mod embedded_store;
 mod flow;
 mod guarantees;

@@ -495,7 +495,7 @@ async fn a_request_id_is_kept_or_made_forwarded_returned_and_in_problem_bodies()
 async fn the_periodic_gc_collects_expired_keys_by_itself() {
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let yaml = config_yaml(&db, &up.url(), "lease: 3s\n      ttl: 3s")
+    let yaml = config_yaml(&db, &up.url(), "lease: 3s\n      ttl: 4s")
         .patch(" timeout: 5s }", " timeout: 500ms }")
         .patch(
             "statement_timeout: 1s }",

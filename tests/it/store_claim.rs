@@ -70,3 +70,128 @@ async fn a_claim_blocked_behind_a_takeover_sees_the_new_row_not_its_snapshot() {
         other => panic!("acted on a stale snapshot: {other:?}"),
     }
 }
+
+/// The transaction id that last wrote or locked the key's row (`xmax`, 0 when none did since
+/// its version was written) and the version itself (`ctid`).
+async fn row_version(db: &tokio_postgres::Client, key: &str) -> (String, String) {
+    let row = db
+        .query_one(
+            "SELECT xmax::text, ctid::text FROM idemgate_keys WHERE key = $1",
+            &[&key],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// A replay served from the store is a read: twenty claims of a completed key lock nothing
+/// and write nothing (the row keeps its version and its `xmax`), and a waiter's second look
+/// at a key in flight does not rewrite the row either.
+#[tokio::test]
+async fn a_replay_and_a_waiters_look_write_nothing() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let db = gw.sql().await;
+    let fp = [3u8; 32];
+    let Claim::Acquired { token, .. } = gw
+        .store
+        .claim(req("done", &fp, Duration::from_secs(30)))
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is claimed")
+    };
+    let answer = idemgate::replay::StoredResponse {
+        status: 201,
+        headers: vec![],
+        body: bytes::Bytes::from_static(b"the answer"),
+    };
+    let written = gw
+        .store
+        .finish(
+            "s",
+            "done",
+            &token,
+            idemgate::store::Outcome::Completed(answer),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    assert!(written);
+    let before = row_version(&db, "done").await;
+    for _ in 0..20 {
+        let replay = gw
+            .store
+            .claim(req("done", &fp, Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert!(matches!(replay, Claim::Completed(..)), "{replay:?}");
+    }
+    assert_eq!(
+        row_version(&db, "done").await,
+        before,
+        "a replay wrote the row"
+    );
+
+    // In flight: the first waiter marks the row once; later looks only read it.
+    let Claim::Acquired { .. } = gw
+        .store
+        .claim(req("busy", &fp, Duration::from_secs(30)))
+        .await
+        .unwrap()
+    else {
+        panic!("a new key is claimed")
+    };
+    assert!(gw.store.watch("s", "busy").await.unwrap());
+    let marked = row_version(&db, "busy").await;
+    for _ in 0..5 {
+        assert!(
+            gw.store.watch("s", "busy").await.unwrap(),
+            "still in flight"
+        );
+        let look = gw
+            .store
+            .claim(req("busy", &fp, Duration::from_secs(30)))
+            .await
+            .unwrap();
+        assert!(matches!(look, Claim::InFlight { .. }), "{look:?}");
+    }
+    assert_eq!(
+        row_version(&db, "busy").await,
+        marked,
+        "a look rewrote the row"
+    );
+}
+
+/// A database whose default isolation is serializable still answers duplicates (the
+/// gateway's sessions run at read committed), never 503 for a serialization failure.
+#[tokio::test]
+async fn a_serializable_database_answers_duplicates_without_503() {
+    let up = Upstream::start_with(Behavior {
+        delay: Duration::from_millis(300),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let admin = sql(&db).await;
+    admin
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation \
+             = ''serializable''', current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    let gw = TestGateway::start(&config_yaml(&db, &up.url(), ""), &db).await;
+    let replies = at_once(
+        &[gw.url("/pay")],
+        (0..16)
+            .map(|i| (format!("a{}", i % 2), "same".to_string()))
+            .collect(),
+        "{}",
+    )
+    .await;
+    for r in &replies {
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    assert_eq!(up.executions(), 2, "one per account");
+}
