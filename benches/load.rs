@@ -17,7 +17,9 @@
 //!
 //! PostgreSQL runs with stock durability (fsync and synchronous_commit on).
 //!
-//! And the gateway's peak RSS after 1,000 concurrent keyed connections. Knobs (environment):
+//! And the gateway's peak RSS after 1,000 concurrent keyed connections, and the memory bound
+//! holding on a gateway of its own (`max_buffered_bytes: 2MiB`): 100 keyed h2 streams whose
+//! replays are not read, and 50 bodies declared and not sent. Knobs (environment):
 //! LOAD_CONCURRENCY (32), LOAD_SECONDS per scenario and round (3), LOAD_ROUNDS (3),
 //! LOAD_STORM (1000). Numbers depend on the machine: read the ratios. The benchmark of record
 //! is the shared side-by-side harness (BENCHMARKS.md); this one is a developer's tool.
@@ -63,11 +65,17 @@ async fn upstream(executions: Arc<AtomicUsize>) -> SocketAddr {
                     async move {
                         executions.fetch_add(1, Ordering::Relaxed);
                         let slow = req.uri().path().starts_with("/slow");
+                        let big = req.uri().path().starts_with("/big");
                         let _ = req.into_body().collect().await;
                         if slow {
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
-                        let mut r = Response::new(Full::new(Bytes::from_static(b"{\"ok\":true}")));
+                        let body = if big {
+                            Bytes::from(vec![b' '; BIG_ANSWER])
+                        } else {
+                            Bytes::from_static(b"{\"ok\":true}")
+                        };
+                        let mut r = Response::new(Full::new(body));
                         r.headers_mut()
                             .insert("content-type", "application/json".parse().unwrap());
                         Ok::<_, Infallible>(r)
@@ -81,6 +89,9 @@ async fn upstream(executions: Arc<AtomicUsize>) -> SocketAddr {
     });
     addr
 }
+
+/// The answer under `/big`: 256 KiB.
+const BIG_ANSWER: usize = 256 * 1024;
 
 type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
@@ -683,6 +694,156 @@ routes:
         "\nPeak RSS of the gateway: {:.1} MiB after 1,000 concurrent keyed connections ({answered} answered; {:.1} MiB before).",
         peak as f64 / 1024.0,
         rss_before as f64 / 1024.0
+    );
+    drop(gw);
+    let _ = std::fs::remove_dir_all(&dir);
+    memory_bound(&db, up).await;
+}
+
+/// The gateway's held bytes (`idemgate_buffered_bytes`), read from its admin listener.
+async fn buffered(admin: SocketAddr) -> f64 {
+    let mut s = connect(admin).await.expect("admin listener");
+    let req = Request::builder()
+        .uri("/metrics")
+        .header("host", "bench")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let body = s
+        .send_request(req)
+        .await
+        .unwrap()
+        .into_body()
+        .collect()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&body.to_bytes()).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix("idemgate_buffered_bytes "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The memory bound holding (`server.max_buffered_bytes: 2MiB`), on a gateway of its own:
+/// 100 keyed HTTP/2 streams on one connection replaying a 256 KiB answer that the client
+/// does not read, and 50 clients that each declare a 1 MiB body and send one byte while 100
+/// others are served.
+async fn memory_bound(db: &str, up: SocketAddr) {
+    let yaml = format!(
+        r#"listen: 127.0.0.1:0
+server: {{ max_buffered_bytes: 2MiB, body_read_timeout: 30s }}
+admin: {{ listen: 127.0.0.1:0 }}
+store:
+  postgres: {{ url: "{db}", pool_size: 16, acquire_timeout: 500ms, statement_timeout: 2s }}
+upstreams:
+  app: {{ url: "http://{up}", timeout: 5s }}
+routes:
+  - name: keyed
+    match: {{ path_prefix: / }}
+    upstream: app
+    idempotency:
+      scope: {{ header: X-Account-Id }}
+"#
+    );
+    let dir = std::env::temp_dir().join(format!("idemgate-bound-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_idemgate"));
+    let gw = idemgate::process::GatewayProcess::start_logging(exe, &dir, &yaml, "warn")
+        .await
+        .expect("gateway");
+    let (addr, admin) = (gw.addr, gw.admin.expect("admin listener"));
+    let pid = gw.pid().unwrap();
+    // The answer, stored once.
+    let mut s = connect(addr).await.unwrap();
+    let first = s
+        .send_request(post("/big", Some("big".into()), "acct"))
+        .await
+        .unwrap();
+    first.into_body().collect().await.unwrap();
+    let rss_before = rss_kib(pid, "VmRSS:");
+
+    // 100 streams on one h2 connection, answers left unread.
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let heads: Vec<_> = (0..100)
+        .map(|_| {
+            let mut h2 = h2.clone();
+            tokio::spawn(async move {
+                h2.send_request(post("/big", Some("big".into()), "acct"))
+                    .await
+            })
+        })
+        .collect();
+    let mut held_answers = Vec::new();
+    let (mut ok, mut refused) = (0, 0);
+    for h in heads {
+        match h.await.unwrap() {
+            Ok(r) if r.status() == 503 => refused += 1,
+            Ok(r) => {
+                ok += 1;
+                held_answers.push(r);
+            }
+            Err(_) => {}
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let gauge_h2 = buffered(admin).await;
+    let rss_h2 = rss_kib(pid, "VmRSS:");
+    drop(held_answers);
+    drop(h2);
+
+    // 50 clients declare 1 MiB each and send one byte; 100 others are served meanwhile.
+    let mut stalled = Vec::new();
+    for i in 0..50 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let head = format!(
+            "POST /stall HTTP/1.1\r\nhost: bench\r\nidempotency-key: stall-{i}\r\n\
+             x-account-id: acct\r\ncontent-type: application/json\r\n\
+             content-length: 1048576\r\n\r\n{{"
+        );
+        tokio::io::AsyncWriteExt::write_all(&mut s, head.as_bytes())
+            .await
+            .unwrap();
+        stalled.push(s);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let gauge_stalled = buffered(admin).await;
+    let mut served = 0;
+    let mut statuses = std::collections::BTreeMap::new();
+    for i in 0..100 {
+        let mut s = connect(addr).await.unwrap();
+        let r = s
+            .send_request(post("/new", Some(format!("new-{i}")), "acct"))
+            .await
+            .unwrap();
+        *statuses.entry(r.status().as_u16()).or_insert(0) += 1;
+        if r.status().is_success() {
+            served += 1;
+        }
+        r.into_body().collect().await.unwrap();
+    }
+    eprintln!("load: the 100 keyed requests beside the stalled bodies: {statuses:?}");
+    let peak = rss_kib(pid, "VmHWM:");
+    drop(stalled);
+    println!("\n## The memory bound (`max_buffered_bytes: 2MiB`)\n");
+    println!("| case | answered | refused 503 | held (gauge) | gateway RSS |");
+    println!("|---|---:|---:|---:|---:|");
+    println!(
+        "| 100 h2 streams replaying a 256 KiB answer, unread | {ok} | {refused} | {:.2} MiB | {:.1} MiB (from {:.1}) |",
+        gauge_h2 / 1048576.0,
+        rss_h2 as f64 / 1024.0,
+        rss_before as f64 / 1024.0
+    );
+    println!(
+        "| 50 clients declaring 1 MiB and sending 1 byte, then 100 keyed requests | {served} of 100 | {} | {:.0} bytes | peak {:.1} MiB |",
+        100 - served,
+        gauge_stalled,
+        peak as f64 / 1024.0
     );
     drop(gw);
     let _ = std::fs::remove_dir_all(&dir);

@@ -292,6 +292,8 @@ pub struct StoreMetrics {
     pub pool_wait: Histogram,
     pub pool: Family<StateLabel, Gauge>,
     pub batch: Family<OpLabel, Histogram>,
+    /// Streaming standbys of the database that are not synchronous (found at start).
+    pub async_standbys: Gauge,
 }
 
 impl Default for StoreMetrics {
@@ -301,6 +303,7 @@ impl Default for StoreMetrics {
             pool_wait: latency_buckets(),
             pool: Family::default(),
             batch: Family::new_with_constructor(batch_buckets),
+            async_standbys: Gauge::default(),
         }
     }
 }
@@ -461,6 +464,11 @@ impl Metrics {
             "store_pool_connections",
             "Pooled store connections by state",
             store.pool.clone(),
+        );
+        registry.register(
+            "store_async_standbys",
+            "Streaming standbys of the database that are not synchronous: a failover to one can lose answered commits",
+            store.async_standbys.clone(),
         );
         registry.register(
             "forwards_in_flight",

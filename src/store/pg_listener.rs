@@ -7,9 +7,12 @@
 //! `store.postgres.listen_url`, which must be a direct session: listening through a pooler in
 //! transaction mode hears nothing (the probe fails, and waiters keep polling). The probe goes
 //! through the pool, whatever `url` points at, so it proves the path real announcements take. When the
-//! connection drops, wake-ups are marked unhealthy at once (waiters fall back to bounded
-//! polling) and it reconnects with backoff; on recovery every waiter is woken to look again,
-//! since announcements may have been missed meanwhile.
+//! connection drops, or a probe sent through the pool does not come back on it (a connection
+//! frozen without an error: a stalled server process, a half-open TCP connection), wake-ups
+//! are marked unhealthy at once (waiters fall back to bounded polling) and the connection is
+//! replaced, with backoff while replacements keep failing: a frozen listener is noticed
+//! within one probe interval and replaced within two. On recovery every waiter is woken to
+//! look again, since announcements may have been missed meanwhile.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -105,29 +108,63 @@ pub async fn run(
             backoff = (backoff * 2).min(BACKOFF_MAX);
             continue;
         }
-        backoff = BACKOFF_MIN;
         wakeups
             .stats
             .listener_sessions
             .fetch_add(1, Ordering::Relaxed);
+        let mut replace = false;
         loop {
-            let ok = probe(&pool, &mut probe_rx).await;
+            let found = probe(&pool, &mut probe_rx).await;
+            let ok = found == Probe::Heard;
             if !ok && wakeups.healthy() {
                 tracing::warn!("a probe notification did not come back; waiters poll");
             }
             wakeups.set_healthy(ok);
+            if found == Probe::Unheard {
+                // Sent and not heard: this connection hears nothing. Replace it.
+                tracing::warn!(
+                    "replacing the wake-up listener's connection: a probe sent through the pool did not come back on it"
+                );
+                replace = true;
+                break;
+            }
+            if ok {
+                backoff = BACKOFF_MIN;
+            }
             tokio::select! {
                 () = tokio::time::sleep(REPROBE) => {}
                 _ = &mut driver => break,
             }
         }
         wakeups.set_healthy(false);
+        driver.abort();
         drop(client);
+        if replace {
+            // A listener that keeps not hearing (`listen_url` through a pooler in transaction
+            // mode, say) is replaced at a growing interval, not in a loop.
+            wakeups
+                .stats
+                .listener_replaced
+                .fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
     }
 }
 
+/// What one probe found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Probe {
+    /// It came back on the listener.
+    Heard,
+    /// It could not be sent (the pool or the database is down): the listener is not to blame.
+    Unsent,
+    /// It was sent and did not come back in time: the listener's connection is not working.
+    Unheard,
+}
+
 /// Sends a probe through the pool and waits for it on the listener.
-async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> bool {
+async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> Probe {
     let nonce = format!(
         "{}-{}",
         std::process::id(),
@@ -152,7 +189,7 @@ async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> bool {
         .flatten()
         .is_none()
     {
-        return false;
+        return Probe::Unsent;
     }
     let wait = async {
         while let Some(got) = rx.recv().await {
@@ -162,7 +199,12 @@ async fn probe(pool: &Pool, rx: &mut mpsc::UnboundedReceiver<String>) -> bool {
         }
         false
     };
-    tokio::time::timeout(PROBE_TIMEOUT, wait)
+    if tokio::time::timeout(PROBE_TIMEOUT, wait)
         .await
         .unwrap_or(false)
+    {
+        Probe::Heard
+    } else {
+        Probe::Unheard
+    }
 }

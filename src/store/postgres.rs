@@ -370,6 +370,12 @@ const SLOT_RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::INT4, Type::TEXT, Type::
 /// connection: what the gateway's role and database are set to (`ALTER ROLE/DATABASE ...
 /// SET`) on top of the server's default.
 const SYNC_COMMIT_SQL: &str = "SELECT current_setting('synchronous_commit')";
+/// Streaming standbys that are not synchronous: a failover to one of them can lose commits
+/// a client was already answered from. A role without `pg_monitor` sees no `sync_state`
+/// (NULL), and such a standby counts as asynchronous.
+const ASYNC_STANDBYS_SQL: &str = "
+SELECT count(*) FROM pg_stat_replication
+ WHERE sync_state IS DISTINCT FROM 'sync' AND sync_state IS DISTINCT FROM 'quorum'";
 
 /// Readiness in one round trip: the schema version and the durability setting.
 const READY_SQL: &str = "
@@ -395,6 +401,16 @@ DELETE FROM idemgate_keys
                          ORDER BY gc_after
                          LIMIT $1
                            FOR UPDATE SKIP LOCKED)";
+
+/// The slot rows of `serialize` holders that crashed (a released slot is deleted by its
+/// holder): a minute past its lease, such a row is only ever taken over in its scope again,
+/// and a scope that never comes back would keep it forever. Deleting one changes no live count.
+const GC_SLOTS_SQL: &str = "
+DELETE FROM idemgate_slots
+ WHERE (scope, slot) IN (SELECT scope, slot FROM idemgate_slots
+                          WHERE lease_expires_at <= now() - interval '1 minute'
+                          LIMIT $1
+                            FOR UPDATE SKIP LOCKED)";
 
 /// An operator's delete: the row is locked and read, then deleted unless it is in flight
 /// under a live lease and `$3` (force) is false; the deletion is announced. One row back
@@ -1551,6 +1567,8 @@ impl Store for PgStore {
                         return Ok(None);
                     }
                     let n = tx.execute_typed(GC_SQL, &[(&batch, Type::INT8)]).await?;
+                    tx.execute_typed(GC_SLOTS_SQL, &[(&batch, Type::INT8)])
+                        .await?;
                     tx.commit().await?;
                     Ok::<_, tokio_postgres::Error>(Some(n))
                 };
@@ -1656,12 +1674,21 @@ impl Store for PgStore {
 
     fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let setting: String = self
+            let (setting, standbys): (String, i64) = self
                 .db
                 .with_conn("durability", async |c| {
-                    Ok(c.unnamed_one(SYNC_COMMIT_SQL).await?.get(0))
+                    let setting = c.unnamed_one(SYNC_COMMIT_SQL).await?.get(0);
+                    let standbys = c.unnamed_one(ASYNC_STANDBYS_SQL).await?.get(0);
+                    Ok((setting, standbys))
                 })
                 .await?;
+            self.db.metrics.async_standbys.set(standbys);
+            if standbys > 0 {
+                tracing::warn!(
+                    standbys,
+                    "the database streams to standbys that are not synchronous: a failover to one can lose answers already given, and their keys are then forwarded again (docs/operations.md, failover)"
+                );
+            }
             self.check_commit_setting(&setting)
         })
     }

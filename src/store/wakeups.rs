@@ -74,6 +74,8 @@ pub struct WaitStats {
     pub shared: AtomicU64,
     /// Listener sessions established (1 + reconnects).
     pub listener_sessions: AtomicU64,
+    /// Listener connections replaced because a probe sent through the pool was not heard.
+    pub listener_replaced: AtomicU64,
 }
 
 /// The per-process registry of keys that local requests wait for.

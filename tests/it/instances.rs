@@ -110,6 +110,45 @@ async fn a_dead_listener_reconnects_by_itself(b: Backend) {
     wakeups_flow(&gw).await;
 }
 
+/// A listener connection frozen without an error (its server process stopped: no reset, no
+/// close) hears no announcement. The next probe, sent through the pool, is not heard; the
+/// connection is replaced and wake-ups flow again, within two probe intervals.
+#[tokio::test]
+async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(Backend::Postgres, &up, "").await;
+    wakeups_flow(&gw).await;
+    let stats = &gw.store.wakeups().stats;
+    let db = gw.sql().await;
+    let pids: Vec<i32> = db
+        .query(
+            "SELECT pid FROM pg_stat_activity
+              WHERE application_name = 'idemgate-listener' AND datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(pids.len(), 1, "one listener connection");
+    let _frozen = pg::Stopped::stop(&pids);
+    let interval = idemgate::store::pg_listener::REPROBE;
+    wait_until(
+        "the frozen listener is replaced",
+        2 * interval + Duration::from_secs(10),
+        || async { stats.listener_replaced.load(Ordering::Relaxed) >= 1 },
+    )
+    .await;
+    wait_until(
+        "a new listener session is up",
+        Duration::from_secs(10),
+        || async { stats.listener_sessions.load(Ordering::Relaxed) == 2 },
+    )
+    .await;
+    wakeups_flow(&gw).await;
+}
+
 async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) {
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(400),

@@ -46,6 +46,8 @@ async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
     );
     assert!(metric(&text, "idemgate_store_latency_seconds_count{op=\"claim\"}") >= 3.0);
     assert!(metric(&text, "idemgate_store_pool_connections{state=\"max\"}") >= 1.0);
+    // The test cluster streams to no standby.
+    assert_eq!(metric(&text, "idemgate_store_async_standbys "), 0.0);
     assert_eq!(metric(&text, "idemgate_forwards_in_flight"), 0.0);
     assert!(
         !text.contains("secret"),

@@ -224,6 +224,10 @@ async fn a_key_in_flight_under_a_live_lease_is_deleted_only_when_forced() {
         (refused.status, refused.problem().as_str()),
         (409, "key-in-flight")
     );
+    // The detail says it once: what deleting would risk, and how to force it.
+    let detail = refused.problem_detail();
+    assert_eq!(detail.matches("force").count(), 1, "{detail}");
+    assert!(detail.contains("force=true"), "{detail}");
     assert_eq!(
         row_state(&gw, "acct", "busy").await.as_deref(),
         Some("in_flight")
@@ -429,4 +433,39 @@ fn an_admin_listener_off_loopback_without_a_token_is_a_config_error() {
         .unwrap();
     assert_eq!(out.status.code(), Some(0));
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A `serialize` holder that crashed leaves its slot row behind (a released slot is deleted
+/// by its holder); the collection deletes such rows a minute past their lease, and keeps
+/// live ones.
+#[tokio::test]
+async fn gc_deletes_the_slot_rows_of_crashed_holders() {
+    let up = Upstream::start().await;
+    let gw = TestGateway::with_upstream(&up, "").await;
+    let db = gw.sql().await;
+    for i in 0..20 {
+        let slot = gw
+            .store
+            .acquire_slot(&format!("scope-{i}"), 1, Duration::from_secs(30))
+            .await
+            .unwrap();
+        assert!(slot.is_some(), "scope-{i} has a free slot");
+        // Never released: its holder crashed.
+    }
+    db.execute(
+        "UPDATE idemgate_slots SET lease_expires_at = now() - interval '2 minutes'
+          WHERE scope <> 'scope-0'",
+        &[],
+    )
+    .await
+    .unwrap();
+    gw.store.gc(1000).await.unwrap();
+    let left: Vec<String> = db
+        .query("SELECT scope FROM idemgate_slots", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(left, ["scope-0"], "only the live slot is kept");
 }
