@@ -106,23 +106,28 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, PathInvalid> {
         i += ch.len_utf8();
     }
     // 2 and 3. Segments: empty ones (repeated slashes) and `.` dropped, `..` pops.
-    let trailing = decoded.ends_with('/')
-        || decoded.ends_with("/.")
-        || decoded.ends_with("/..")
-        || decoded == "/";
+    resolve(&decoded, false).map(Cow::Owned).ok_or(PathInvalid)
+}
+
+/// Resolves the segments of a path whose escapes are settled: empty ones (repeated slashes)
+/// and `.` are dropped, `..` pops the one before it. A `..` above the root is `None`, or,
+/// with `clamp`, stays at the root. A trailing slash (or `.`, `..`) is kept as one slash.
+fn resolve(path: &str, clamp: bool) -> Option<String> {
+    let trailing =
+        path.ends_with('/') || path.ends_with("/.") || path.ends_with("/..") || path == "/";
     let mut segments: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
+    for seg in path.split('/') {
         match seg {
             "" | "." => {}
             ".." => {
-                if segments.pop().is_none() {
-                    return Err(PathInvalid);
+                if segments.pop().is_none() && !clamp {
+                    return None;
                 }
             }
             s => segments.push(s),
         }
     }
-    let mut out = String::with_capacity(decoded.len());
+    let mut out = String::with_capacity(path.len());
     for seg in &segments {
         out.push('/');
         out.push_str(seg);
@@ -130,7 +135,7 @@ pub fn normalize(path: &str) -> Result<Cow<'_, str>, PathInvalid> {
     if trailing || out.is_empty() {
         out.push('/');
     }
-    Ok(Cow::Owned(out))
+    Some(out)
 }
 
 /// Whether a normalized path may read differently to a lenient backend: it holds an escape,
@@ -180,25 +185,7 @@ pub fn lenient(path: &str) -> String {
     }
     // The input was normalized: its unreserved escapes are decoded already, so resolving
     // the segments is all that is left.
-    let trailing = out.ends_with('/') || out.ends_with("/.") || out.ends_with("/..");
-    let mut segments: Vec<&str> = Vec::new();
-    for seg in out.split('/') {
-        match seg {
-            "" | "." => {}
-            ".." => {
-                segments.pop();
-            }
-            s => segments.push(s),
-        }
-    }
-    let mut read = String::with_capacity(out.len());
-    for seg in &segments {
-        read.push('/');
-        read.push_str(seg);
-    }
-    if trailing || read.is_empty() {
-        read.push('/');
-    }
+    let mut read = resolve(&out, true).unwrap_or_else(|| "/".to_string());
     read.make_ascii_lowercase();
     read
 }
