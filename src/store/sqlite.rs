@@ -100,7 +100,10 @@ impl SqliteStore {
         if lock.try_lock().is_err() {
             return Err(StoreError::Connect(format!(
                 "another idemgate instance is using {} (it holds {}); the embedded store serves \
-                 one instance: stop the other one, or use the Postgres store for several",
+                 one instance: stop the other one, or use the Postgres store for several. While \
+                 `serve` runs, show or delete keys through its admin API (`GET` or `DELETE \
+                 /v1/keys?scope=...&key=...` on `admin.listen`); it collects expired keys \
+                 itself every `store.gc.interval`",
                 cfg.path.display(),
                 lock_path.display()
             )));

@@ -43,6 +43,10 @@ async fn the_second_instance_refusal_reaches_the_command_line() {
         stderr.contains("another idemgate instance is using"),
         "{stderr}"
     );
+    assert!(
+        stderr.contains("admin API") && stderr.contains("/v1/keys"),
+        "the refusal names the admin endpoint to use instead: {stderr}"
+    );
     // SIGKILL releases the lock with the process: a restart takes the file over.
     first.kill();
     first.restart().await;
