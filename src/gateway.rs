@@ -675,7 +675,6 @@ impl Gateway {
             return Err(e);
         }
         log.key_id = Some(id.clone());
-        let answer_bytes = Arc::new(std::sync::Mutex::new(None));
         // From the claim on, the work runs in its own task: a client that hangs up while the
         // claim is in the database (or while waiting for a duplicate) cannot leave a claimed
         // key without a forward; the forward still happens and its answer is stored.
@@ -692,15 +691,17 @@ impl Gateway {
             fp,
             cache_epoch: cache.map(|(_, epoch)| epoch),
             admission,
-            answer_bytes: Arc::clone(&answer_bytes),
         };
         // Awaited by its handle: dropping the handle (the client hung up) does not cancel it.
         // Boxed: `tokio::spawn` moves its future whole several times and writes the task's
         // output over a slot of the future's size, and this one is 5 KB; a box is moved once.
-        let (result, outcome, upstream_took) = joined(tokio::spawn(Box::pin(work.run())).await);
+        let ((result, outcome, upstream_took), held) =
+            match tokio::spawn(Box::pin(work.run())).await {
+                Ok(done) => done,
+                Err(e) => (joined(Err(e)), None),
+            };
         log.outcome = outcome;
         log.upstream = upstream_took;
-        let held = answer_bytes.lock().expect("answer bytes lock").take();
         match (result, held) {
             (Ok(resp), Some(bytes)) => {
                 let replay = outcome == outcome::REPLAYED || outcome == outcome::COALESCED;
@@ -752,10 +753,6 @@ struct KeyedWork {
     /// The buffered bytes (and, once forwarded, the upstream slot), held until this task
     /// ends.
     admission: Admission,
-    /// Where the task leaves its byte reservation when its answer is held in memory (a first
-    /// answer captured for the store, or a replay), for `Gateway::keyed` to hold until the
-    /// answer is written.
-    answer_bytes: Arc<std::sync::Mutex<Option<crate::limits::Reservation>>>,
 }
 
 /// What a keyed request ended as: the answer, its outcome name, the upstream's time.
@@ -766,7 +763,16 @@ type KeyedResult = (
 );
 
 impl KeyedWork {
-    async fn run(self) -> KeyedResult {
+    /// The request's result, and its byte reservation when its answer is held in memory (a
+    /// first answer captured for the store, or a replay), for `Gateway::keyed` to hold until
+    /// the answer is written.
+    async fn run(self) -> (KeyedResult, Option<crate::limits::Reservation>) {
+        let mut answer_bytes = None;
+        let result = self.work(&mut answer_bytes).await;
+        (result, answer_bytes)
+    }
+
+    async fn work(self, answer_bytes: &mut Option<crate::limits::Reservation>) -> KeyedResult {
         let KeyedWork {
             gateway,
             routing,
@@ -780,7 +786,6 @@ impl KeyedWork {
             fp,
             cache_epoch,
             mut admission,
-            answer_bytes,
         } = self;
         let (route, idem, upstream) = routing
             .route(&name)
@@ -796,21 +801,27 @@ impl KeyedWork {
         };
         let observe = idem.mode == Mode::Observe;
         // What an observe route forwards without claiming: the upstream sees it as enforcing
-        // would have forwarded it, key header included; nothing is recorded.
-        let forward_observed = |log_outcome: &'static str, parts, body, admission| {
-            let request = upstream.prepare(
-                parts,
-                full(body),
-                &client,
-                Some((&idem.forward_key_header, &key)),
-            );
-            // Boxed, as the other rare ways below: `tokio::spawn` moves this future whole.
-            Box::pin(async move {
-                let mut log = RequestLog::new(log_outcome);
-                let result = proxy(upstream, request, &mut log, admission, None).await;
-                (result, log_outcome, log.upstream)
-            })
-        };
+        // would have forwarded it, key header included; nothing is recorded. It takes an
+        // upstream slot first, as every forward does.
+        let forward_observed =
+            |log_outcome: &'static str, parts, body, mut admission: Admission| {
+                let slot = gateway.forward_slot(upstream, &mut admission);
+                let request = upstream.prepare(
+                    parts,
+                    full(body),
+                    &client,
+                    Some((&idem.forward_key_header, &key)),
+                );
+                // Boxed, as the other rare ways below: `tokio::spawn` moves this future whole.
+                Box::pin(async move {
+                    if let Err(e) = slot {
+                        return (Err(e), outcome::OVERLOADED, None);
+                    }
+                    let mut log = RequestLog::new(log_outcome);
+                    let result = proxy(upstream, request, &mut log, admission, None).await;
+                    (result, log_outcome, log.upstream)
+                })
+            };
         let mut claimed_at = Instant::now();
         let claimed = {
             let _waiting = crate::wake::InFlight::start();
@@ -820,9 +831,6 @@ impl KeyedWork {
             Ok(found) => found,
             Err(e) if observe => {
                 tracing::warn!(route = %route.name, key = %id, error = %e, "observe: the store cannot claim; forwarded without idempotency");
-                if let Err(e) = gateway.forward_slot(upstream, &mut admission) {
-                    return (Err(e), outcome::OVERLOADED, None);
-                }
                 return forward_observed(outcome::BYPASSED, parts, body, admission).await;
             }
             Err(e) if idem.on_store_error == OnStoreError::PassThrough && e.is_unavailable() => {
@@ -855,9 +863,6 @@ impl KeyedWork {
             if let Some(would) = would {
                 gateway.metrics.observed(&route.name, would);
                 tracing::info!(route = %route.name, key = %id, observed = would, "observe: forwarded a request that enforcing would not have forwarded");
-                if let Err(e) = gateway.forward_slot(upstream, &mut admission) {
-                    return (Err(e), outcome::OVERLOADED, None);
-                }
                 return forward_observed(outcome::OBSERVED, parts, body, admission).await;
             }
         }
@@ -927,7 +932,7 @@ impl KeyedWork {
                 let _guard = gateway.jobs.start();
                 let mut took = None;
                 let (result, bytes) = job.run(request, &mut took).await;
-                *answer_bytes.lock().expect("answer bytes lock") = Some(bytes);
+                *answer_bytes = Some(bytes);
                 (result, outcome::FORWARDED, took)
             }
             Claim::Completed(stored, expires_in) => {
@@ -950,7 +955,7 @@ impl KeyedWork {
                 } else {
                     outcome::REPLAYED
                 };
-                *answer_bytes.lock().expect("answer bytes lock") = Some(admission.bytes);
+                *answer_bytes = Some(admission.bytes);
                 (Ok(replay), name, None)
             }
             Claim::Mismatch => (

@@ -73,7 +73,7 @@ impl ForwardJob {
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
         let routing = Arc::clone(&self.routing);
-        let (_, idem, _) = routing
+        let (_, idem, upstream) = routing
             .route(&self.route)
             .expect("the route of a claimed request exists");
         let store = Arc::clone(&self.store);
@@ -84,9 +84,6 @@ impl ForwardJob {
             Some(_) if idem.mode == Mode::Observe => None,
             Some(ser) => {
                 // The forward and its recording must fit in what is left of the lease.
-                let (_, _, upstream) = routing
-                    .route(&self.route)
-                    .expect("the route of a claimed request exists");
                 let last_start = self.lease_ends
                     - upstream.config.timeout
                     - self.routing.config.store.record_bound() * 2;
@@ -109,9 +106,6 @@ impl ForwardJob {
                 }
             }
         };
-        let (_, _, upstream) = routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
         let slot = self
             .admission
             .take_slot(&upstream.limit, &upstream.config.name, &self.metrics);
