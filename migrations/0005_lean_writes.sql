@@ -19,15 +19,22 @@
 -- 3. fillfactor 90: inserts leave a tenth of each page free, so that a completion's new row
 --    version fits on the page of its claim (a HOT update needs the same page).
 --
--- Existing rows get gc_after = expires_at (one rewrite of the table, in this migration's
--- transaction). A table partitioned by scope as in docs/operations.md is handled too: its
--- expires_at index is found by column, and fillfactor is set on its partitions.
+-- Online: every statement here changes the catalog only and holds its lock for moments (the
+-- migration runner bounds each lock wait, src/store/pg_migrate.rs). gc_after is added with
+-- the constant default '-infinity' (kept in the catalog, no rewrite): existing rows, and rows
+-- that an instance of an earlier release inserts during a rolling upgrade, are at once
+-- eligible for the collector, which deletes them when their expires_at passes. What would
+-- scan or rewrite the table runs after this transaction, without blocking writes: the
+-- gc_after index is built concurrently, and a backfill sets gc_after = expires_at on the
+-- rows at the default, in small batches (the collector repeats it for later ones).
+-- A table partitioned by scope as in docs/operations.md is handled too: its expires_at index
+-- is found by column, and fillfactor is set on its partitions.
 
 ALTER TABLE idemgate_keys
-    DROP CONSTRAINT idemgate_keys_state_check,
-    DROP CONSTRAINT idemgate_keys_check,
-    DROP CONSTRAINT idemgate_keys_check1,
-    ADD COLUMN gc_after timestamptz;
+    DROP CONSTRAINT IF EXISTS idemgate_keys_state_check,
+    DROP CONSTRAINT IF EXISTS idemgate_keys_check,
+    DROP CONSTRAINT IF EXISTS idemgate_keys_check1,
+    ADD COLUMN gc_after timestamptz NOT NULL DEFAULT '-infinity';
 
 DO $$
 DECLARE
@@ -46,7 +53,8 @@ BEGIN
         EXECUTE format('DROP INDEX %s', r.idx);
     END LOOP;
     -- The table itself, or each partition of a partitioned one (a partitioned table has no
-    -- storage parameters of its own).
+    -- storage parameters of its own). Takes a lock that does not block writes, and applies
+    -- to pages written from now on.
     FOR r IN
         SELECT c.oid::regclass AS tbl
           FROM pg_class c
@@ -61,9 +69,3 @@ BEGIN
     END LOOP;
 END
 $$;
-
-UPDATE idemgate_keys SET gc_after = expires_at;
-
-ALTER TABLE idemgate_keys ALTER COLUMN gc_after SET NOT NULL;
-
-CREATE INDEX idemgate_keys_gc_after ON idemgate_keys (gc_after);

@@ -178,6 +178,8 @@ impl App {
                 refused_tx,
                 stop_rx.clone(),
             ));
+        } else {
+            tokio::spawn(online_until_done(Arc::clone(&store), stop_rx.clone()));
         }
         if let Some(admin) = listeners.admin {
             tracing::info!(listen = %admin.local_addr()?, "admin API serving");
@@ -314,7 +316,12 @@ pub(crate) fn open(config: &Config) -> Result<Opened, AppError> {
 /// migrations.
 async fn prepare_store(store: &dyn Store) -> Result<(), StoreError> {
     store.durability().await?;
-    store.migrate().await?;
+    if let Err(e) = store.migrate().await {
+        // Not an outage to wait out quietly: the operator has to act (a long transaction
+        // holds a lock, a role lacks a privilege, a migration fails).
+        tracing::error!(error = %e, "the migrations failed; trying again");
+        return Err(e);
+    }
     Ok(())
 }
 
@@ -337,6 +344,7 @@ async fn prepare_until_done(
             Ok(()) => {
                 tracing::info!("migrations applied; the store is ready");
                 gateway.readiness().store_ready();
+                online_until_done(store, stop).await;
                 return;
             }
             Err(e @ StoreError::NotDurable(_)) => {
@@ -347,6 +355,38 @@ async fn prepare_until_done(
             Err(e) => tracing::debug!(error = %e, "store still not ready"),
         }
         pause = (pause * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// The migrations' online work (indexes built concurrently, backfills), while the gateway
+/// serves; retried with backoff (1 s doubling to 1 min) until done or shutdown.
+async fn online_until_done(store: Arc<dyn Store>, mut stop: watch::Receiver<bool>) {
+    let mut pause = Duration::from_secs(1);
+    loop {
+        let run = tokio::select! {
+            run = store.migrate_online() => run,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        match run {
+            Ok(run) => {
+                if run.indexes_built > 0 || run.rows_filled > 0 {
+                    tracing::info!(
+                        indexes_built = run.indexes_built,
+                        rows_filled = run.rows_filled,
+                        "the migrations' online work is done"
+                    );
+                }
+                return;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "the migrations' online work failed; trying again")
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(pause) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        pause = (pause * 2).min(Duration::from_secs(60));
     }
 }
 

@@ -218,11 +218,15 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
     Ok(out)
 }
 
-/// `idemgate migrate`: apply pending migrations and exit.
-pub async fn migrate(path: &Path) -> Result<usize, CommandError> {
+/// `idemgate migrate`: apply pending migrations, then their online work (indexes, backfills),
+/// and exit. Returns how many were applied and what the online work did.
+pub async fn migrate(
+    path: &Path,
+) -> Result<(usize, crate::store::pg_migrate::OnlineRun), CommandError> {
     let config = Config::load(path)?;
     let store = open_store(&config)?;
-    Ok(store.migrate().await?)
+    let applied = store.migrate().await?;
+    Ok((applied, store.migrate_online().await?))
 }
 
 /// `idemgate keys show`: the row as JSON, or an error when absent or ambiguous.

@@ -161,8 +161,14 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Command::Migrate { config } => {
-                let n = commands::migrate(&config).await?;
+                let (n, online) = commands::migrate(&config).await?;
                 println!("applied {n} migration(s)");
+                if online.indexes_built > 0 || online.rows_filled > 0 {
+                    println!(
+                        "built {} index(es) concurrently; backfilled {} row(s)",
+                        online.indexes_built, online.rows_filled
+                    );
+                }
                 Ok(())
             }
             #[cfg(feature = "demo")]

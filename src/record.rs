@@ -220,8 +220,12 @@ impl ForwardJob {
         if idem.mode == Mode::Enforce {
             return self.record(outcome, idem.ttl).await.map(drop);
         }
-        if let Err(e) = self.finish(outcome, idem.ttl).await {
-            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
+        match self.finish(outcome, idem.ttl).await {
+            Ok(true) => {}
+            Ok(false) => self.lease_lost(),
+            Err(e) => {
+                tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
+            }
         }
         Ok(())
     }
@@ -239,7 +243,19 @@ impl ForwardJob {
                 break;
             }
             match self.finish(outcome.clone(), ttl).await {
-                Ok(written) => return Ok(written),
+                Ok(true) => return Ok(true),
+                // After a failed try, "nothing written" may mean that the try did write and
+                // only its reply was lost (a connection cut after the commit). A retry is
+                // only started while our lease lasts, when no other attempt can have
+                // finished the key: a finished row is then ours.
+                Ok(false) if last.is_some() && self.finished_already().await => {
+                    tracing::info!(route = %self.route, key = %key_id(&self.scope, &self.key), "the outcome was recorded by an earlier try whose reply was lost");
+                    return Ok(true);
+                }
+                Ok(false) => {
+                    self.lease_lost();
+                    return Ok(false);
+                }
                 Err(e) => {
                     tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
                     last = Some(e);
@@ -252,18 +268,26 @@ impl ForwardJob {
         ))
     }
 
-    /// One fenced write; `Ok(false)`: the lease was lost (logged), nothing was written, and
-    /// our client still gets what the upstream said.
+    /// One fenced write; `Ok(false)`: nothing was written (the lease was lost, or an
+    /// earlier try wrote it), and our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
         let _waiting = crate::wake::InFlight::start();
-        let written = self
-            .store
+        self.store
             .finish(&self.scope, &self.key, &self.token, outcome, ttl)
-            .await?;
-        if !written {
-            self.metrics.lease(&self.route, "lost");
-            tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
-        }
-        Ok(written)
+            .await
+    }
+
+    /// Counts and logs a completion fenced off: another attempt took this key over.
+    fn lease_lost(&self) {
+        self.metrics.lease(&self.route, "lost");
+        tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
+    }
+
+    /// Whether the key's row is finished (not in flight); a failed look says no.
+    async fn finished_already(&self) -> bool {
+        matches!(
+            self.store.inspect(&self.scope, &self.key).await,
+            Ok(Some(row)) if row.state != "in_flight"
+        )
     }
 }

@@ -255,8 +255,9 @@ pub struct PostgresConfig {
     pub url: String,
     /// The direct session that LISTENs for wake-ups (SPEC 8.4); `url` when not given.
     pub listen_url: String,
-    /// What `url` points at: PostgreSQL itself or a pooler in transaction mode.
-    pub pooler: Pooler,
+    /// What `url` points at: PostgreSQL itself or a pooler in transaction mode; `None`
+    /// (not configured): learned from the first connection (src/store/pg_connect.rs).
+    pub pooler: Option<Pooler>,
     pub pool_size: usize,
     /// The most keys one batched claim or completion carries (1: no batches).
     pub batch_keys: usize,
@@ -640,7 +641,7 @@ impl Config {
             }
         }
         if let StoreConfig::Postgres(pg) = &self.store
-            && pg.pooler == Pooler::Transaction
+            && pg.pooler == Some(Pooler::Transaction)
             && pg.listen_url == pg.url
         {
             out.push(
@@ -951,14 +952,17 @@ routes:
             StoreConfig::Sqlite(_) => panic!("a postgres store"),
         };
         let plain = pg(MINIMAL);
-        assert_eq!(plain.pooler, Pooler::None, "a direct session by default");
+        assert_eq!(
+            plain.pooler, None,
+            "learned from the first connection by default"
+        );
         assert_eq!(plain.listen_url, plain.url, "listen_url defaults to url");
         let pooled = pg(&MINIMAL.replace(
             "url: \"postgres://u@localhost/db\"",
             "url: \"postgres://u@bouncer:6432/db\", pooler: transaction, \
              listen_url: \"postgres://u@db:5432/db\"",
         ));
-        assert_eq!(pooled.pooler, Pooler::Transaction);
+        assert_eq!(pooled.pooler, Some(Pooler::Transaction));
         assert_eq!(pooled.url, "postgres://u@bouncer:6432/db");
         assert_eq!(pooled.listen_url, "postgres://u@db:5432/db");
         assert_eq!(
@@ -1073,7 +1077,7 @@ routes:
             }
         };
         for v in Pooler::ALL {
-            assert_eq!(pg(format!("pooler: {}", v.as_str())).pooler, v);
+            assert_eq!(pg(format!("pooler: {}", v.as_str())).pooler, Some(v));
         }
         // verify-full needs trusted roots on this machine: its spelling is checked by name.
         for v in PgTlsMode::ALL {

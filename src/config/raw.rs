@@ -166,7 +166,8 @@ pub(super) struct RawPostgres {
     /// wake-ups. Default: `url`.
     pub(super) listen_url: Option<String>,
     /// `store.postgres.pooler`: what `url` points at, `none` (PostgreSQL itself or a pooler
-    /// in session mode) or `transaction` (a pooler in transaction mode). Default `none`.
+    /// in session mode) or `transaction` (a pooler in transaction mode). Default: learned
+    /// from the first connection.
     pub(super) pooler: Option<String>,
     /// `store.postgres.pool_size`: pooled connections. Default `16`, at least 1.
     pub(super) pool_size: Option<usize>,

@@ -260,19 +260,21 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
         ));
     }
     let pooler = match pg.pooler.as_deref() {
-        None => Pooler::None,
-        Some(name) => Pooler::ALL
-            .into_iter()
-            .find(|p| p.as_str() == name)
-            .ok_or_else(|| {
-                invalid(
-                    "store.postgres.pooler",
-                    format!(
-                        "'{name}' is not one of {}",
-                        Pooler::ALL.map(Pooler::as_str).join(", ")
-                    ),
-                )
-            })?,
+        None => None,
+        Some(name) => Some(
+            Pooler::ALL
+                .into_iter()
+                .find(|p| p.as_str() == name)
+                .ok_or_else(|| {
+                    invalid(
+                        "store.postgres.pooler",
+                        format!(
+                            "'{name}' is not one of {}",
+                            Pooler::ALL.map(Pooler::as_str).join(", ")
+                        ),
+                    )
+                })?,
+        ),
     };
     let pool_size = pg.pool_size.unwrap_or(defaults::POOL_SIZE);
     if pool_size == 0 {

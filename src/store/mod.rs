@@ -21,7 +21,9 @@
 mod model;
 mod pg_batch;
 pub mod pg_cancel;
+mod pg_connect;
 pub mod pg_listener;
+pub mod pg_migrate;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -52,8 +54,9 @@ pub enum StoreError {
     Db(String),
     #[error("stored row is corrupt: {0}")]
     Corrupt(&'static str),
-    /// The database answers but may lose what it commits (SPEC 8.4): a configuration error,
-    /// not an outage. The text names the setting that would accept it.
+    /// The database answers but may lose what it commits (SPEC 8.4), or would fail the
+    /// gateway's statements (a default isolation above read committed behind a pooler): a
+    /// configuration error, not an outage. The text names the setting that fixes it.
     #[error("{0}")]
     NotDurable(String),
     /// A store call failed inside the gateway itself (a bug: the embedded store's job
@@ -368,6 +371,12 @@ pub trait Store: Send + Sync + 'static {
     /// Applies pending migrations (safe to run from several instances at once where the
     /// store allows several). Returns how many were applied.
     fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>>;
+
+    /// The work migrations leave for after their transaction (indexes built concurrently,
+    /// backfills in batches), run while the gateway serves; idempotent. Nothing by default.
+    fn migrate_online(&self) -> BoxFuture<'_, Result<pg_migrate::OnlineRun, StoreError>> {
+        Box::pin(async { Ok(pg_migrate::OnlineRun::default()) })
+    }
 
     /// Starts what runs beside the requests (the Postgres wake-up listener). Must be called
     /// inside a Tokio runtime; without it, waiters poll.

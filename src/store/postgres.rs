@@ -74,7 +74,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime};
-use tokio_postgres::NoTls;
+
+use super::pg_connect::{Connector, PoolerKind};
 use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -90,34 +91,8 @@ use crate::config::{PgTlsMode, Pooler, PostgresConfig};
 use crate::fingerprint::hex;
 use crate::metrics::StoreMetrics;
 
-/// Migrations in order; each runs once, all in one transaction under an advisory lock.
-pub const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (1, "keys", include_str!("../../migrations/0001_keys.sql")),
-    (2, "slots", include_str!("../../migrations/0002_slots.sql")),
-    (
-        3,
-        "waiters",
-        include_str!("../../migrations/0003_waiters.sql"),
-    ),
-    (
-        4,
-        "slot_limits",
-        include_str!("../../migrations/0004_slot_limits.sql"),
-    ),
-    (
-        5,
-        "lean_writes",
-        include_str!("../../migrations/0005_lean_writes.sql"),
-    ),
-    (
-        6,
-        "pooler_functions",
-        include_str!("../../migrations/0006_pooler_functions.sql"),
-    ),
-];
-
-/// The advisory lock key that serializes migrations (and nothing else).
-const MIGRATION_LOCK: i64 = 0x1de0_6a7e_0001;
+use super::pg_migrate::BACKFILL_GC_AFTER_SQL;
+pub use super::pg_migrate::{MIGRATIONS, OnlineRun};
 
 /// The claim of a new key, the common case: a plain insert, nothing when the key exists
 /// (then [`CLAIM_SQL`] decides). `gc_after` is the claim time + ttl: a completion, later,
@@ -369,7 +344,9 @@ const SLOT_RELEASE_TYPES: &[Type] = &[Type::TEXT, Type::INT4, Type::TEXT, Type::
 /// The session's `synchronous_commit`, as `SHOW synchronous_commit` reports it, on a pooled
 /// connection: what the gateway's role and database are set to (`ALTER ROLE/DATABASE ...
 /// SET`) on top of the server's default.
-const SYNC_COMMIT_SQL: &str = "SELECT current_setting('synchronous_commit')";
+/// The durability setting and the isolation the session's transactions get by default.
+const SYNC_COMMIT_SQL: &str = "
+SELECT current_setting('synchronous_commit'), current_setting('default_transaction_isolation')";
 /// Streaming standbys that are not synchronous: a failover to one of them can lose commits
 /// a client was already answered from. A role without `pg_monitor` sees no `sync_state`
 /// (NULL), and such a standby counts as asynchronous.
@@ -377,9 +354,10 @@ const ASYNC_STANDBYS_SQL: &str = "
 SELECT count(*) FROM pg_stat_replication
  WHERE sync_state IS DISTINCT FROM 'sync' AND sync_state IS DISTINCT FROM 'quorum'";
 
-/// Readiness in one round trip: the schema version and the durability setting.
+/// Readiness in one round trip: the schema version, the durability setting, the isolation.
 const READY_SQL: &str = "
-SELECT (SELECT max(version) FROM idemgate_migrations), current_setting('synchronous_commit')";
+SELECT (SELECT max(version) FROM idemgate_migrations), current_setting('synchronous_commit'),
+       current_setting('default_transaction_isolation')";
 
 const INSPECT_SQL: &str = "
 SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
@@ -457,8 +435,9 @@ pub(super) struct Db {
     pool: Pool,
     /// The pool's connection config (`url`), for cancel requests.
     pg: tokio_postgres::Config,
-    /// What `url` points at; decides how statements are sent and bounded.
-    pub(super) pooler: Pooler,
+    /// What `url` points at (configured or learned by the first connection, see
+    /// [`super::pg_connect`]); decides how statements are sent and bounded.
+    pub(super) pooler: Arc<PoolerKind>,
     pub(super) acquire_timeout: Duration,
     statement_timeout: Duration,
     pub(super) metrics: StoreMetrics,
@@ -654,9 +633,7 @@ fn pg_error(e: tokio_postgres::Error) -> StoreError {
         let mut why = crate::forward::error_chain(&e);
         // PgBouncer refuses the `options` startup parameter that a direct session sends:
         // say which field fixes it (the classification above never reads the message).
-        if e.as_db_error()
-            .is_some_and(|d| d.message().starts_with("unsupported startup parameter"))
-        {
+        if super::pg_connect::refused_options(&e) {
             why.push_str(
                 " (is store.postgres.url a pooler in transaction mode? set \
                  store.postgres.pooler: transaction)",
@@ -724,13 +701,11 @@ impl Db {
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
         let ended = {
-            let conn = Conn {
-                obj: &obj,
-                pooler: self.pooler,
-            };
+            let pooler = self.pooler.get();
+            let conn = Conn { obj: &obj, pooler };
             let run = f(&conn);
             tokio::pin!(run);
-            match self.pooler {
+            match pooler {
                 Pooler::None => {
                     match tokio::time::timeout(self.statement_timeout + CLIENT_SLACK, &mut run)
                         .await
@@ -831,6 +806,23 @@ fn keepalive(cfg: &mut tokio_postgres::Config) {
     cfg.keepalives_retries(3);
 }
 
+/// Refuses a default isolation other than read committed. A direct session sets its own (a
+/// startup option), so this only fails behind a pooler in transaction mode, where the
+/// database's or role's default applies: the statements are written for read committed, and
+/// under `repeatable read` or `serializable` concurrent claims of one key fail with 40001.
+fn check_isolation(isolation: &str) -> Result<(), StoreError> {
+    if isolation == "read committed" {
+        return Ok(());
+    }
+    Err(StoreError::NotDurable(format!(
+        "the gateway's transactions default to {isolation} isolation, and through a pooler in \
+         transaction mode it cannot choose its own: concurrent requests for one key would fail \
+         with serialization errors (40001). Give its role read committed (ALTER ROLE ... SET \
+         default_transaction_isolation = 'read committed') or point store.postgres.url at \
+         PostgreSQL itself"
+    )))
+}
+
 impl PgStore {
     /// Builds the pool. Connections are opened lazily, so this succeeds with Postgres down.
     pub fn new(cfg: &PostgresConfig) -> Result<PgStore, StoreError> {
@@ -841,17 +833,14 @@ impl PgStore {
         pg.connect_timeout(cfg.connect_timeout);
         pg.application_name("idemgate");
         keepalive(&mut pg);
-        if cfg.pooler == Pooler::None {
-            // A pooler refuses startup options it does not know (PgBouncer: `options`),
-            // and would not keep them per client anyway; behind one the client keeps the bound.
-            // The statements are written for READ COMMITTED (a claim reads the newest
-            // committed row, and takes it over under its lock): a database or role whose
-            // default is `serializable` or `repeatable read` would fail them with 40001.
-            pg.options(format!(
-                "-c statement_timeout={} -c default_transaction_isolation=read\\ committed",
-                cfg.statement_timeout.as_millis()
-            ));
-        }
+        // A direct session keeps the statement bound and the isolation its statements are
+        // written for (read committed: a claim reads the newest committed row, and takes it
+        // over under its lock; `serializable` or `repeatable read` would fail them with 40001)
+        // as startup options; a pooler in transaction mode takes none (super::pg_connect).
+        let pooled = pg.clone();
+        pg.options(super::pg_connect::direct_options(
+            cfg.statement_timeout.as_millis(),
+        ));
         let mut listen: tokio_postgres::Config = cfg
             .listen_url
             .parse()
@@ -883,10 +872,22 @@ impl PgStore {
         let manager_config = ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         };
-        let mgr = match &tls {
-            None => Manager::from_config(pg.clone(), NoTls, manager_config),
-            Some(tls) => Manager::from_config(pg.clone(), tls.clone(), manager_config),
+        let kind = Arc::new(PoolerKind::new(cfg.pooler));
+        let pooled = {
+            let mut pooled = pooled;
+            match cfg.tls {
+                PgTlsMode::Disable => pooled.ssl_mode(SslMode::Disable),
+                PgTlsMode::Require | PgTlsMode::VerifyFull => pooled.ssl_mode(SslMode::Require),
+            };
+            pooled
         };
+        let connector = Connector {
+            direct: pg.clone(),
+            pooled,
+            tls: tls.clone(),
+            kind: Arc::clone(&kind),
+        };
+        let mgr = Manager::from_connect(pg.clone(), connector, manager_config);
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
             .runtime(Runtime::Tokio1)
@@ -898,7 +899,7 @@ impl PgStore {
         let db = Arc::new(Db {
             pool,
             pg,
-            pooler: cfg.pooler,
+            pooler: kind,
             acquire_timeout: cfg.acquire_timeout,
             statement_timeout: cfg.statement_timeout,
             metrics: StoreMetrics::default(),
@@ -957,48 +958,26 @@ impl PgStore {
         &self.db.pool
     }
 
-    /// Applies pending migrations in one transaction under an advisory lock, so many
-    /// instances may start at once. Returns how many were applied.
+    /// Applies pending migrations (src/store/pg_migrate.rs): their transaction, on a pooled
+    /// connection (with settings of its own, `SET LOCAL`). Returns how many were applied; the
+    /// work they leave for later is [`PgStore::migrate_online`]'s.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
+        self.migrate_through(i32::MAX).await
+    }
+
+    /// [`PgStore::migrate`] up to version `last` only (to build a database as an earlier
+    /// release left it).
+    pub async fn migrate_through(&self, last: i32) -> Result<usize, StoreError> {
         let mut obj = self.db.conn().await?;
-        let tx = self.db.begin(&mut obj).await.map_err(pg_error)?;
-        tx.execute_typed(
-            "SELECT pg_advisory_xact_lock($1)",
-            &[(&MIGRATION_LOCK, Type::INT8)],
-        )
-        .await
-        .map_err(pg_error)?;
-        tx.batch_execute(
-            "CREATE TABLE IF NOT EXISTS idemgate_migrations (
-                version integer PRIMARY KEY,
-                name text NOT NULL,
-                applied_at timestamptz NOT NULL DEFAULT now())",
-        )
-        .await
-        .map_err(pg_error)?;
-        let done: Vec<i32> = tx
-            .query_typed("SELECT version FROM idemgate_migrations", &[])
-            .await
-            .map_err(pg_error)?
-            .iter()
-            .map(|r| r.get(0))
-            .collect();
-        let mut applied = 0;
-        for (version, name, sql) in MIGRATIONS {
-            if done.contains(version) {
-                continue;
-            }
-            tx.batch_execute(sql).await.map_err(pg_error)?;
-            tx.execute_typed(
-                "INSERT INTO idemgate_migrations (version, name) VALUES ($1, $2)",
-                &[(version, Type::INT4), (name, Type::TEXT)],
-            )
-            .await
-            .map_err(pg_error)?;
-            applied += 1;
-        }
-        tx.commit().await.map_err(pg_error)?;
-        Ok(applied)
+        super::pg_migrate::apply(&mut obj, last).await
+    }
+
+    /// The migrations' online work: indexes built concurrently and backfills in batches,
+    /// while the gateway serves, on a direct session of its own (`listen_url`). Idempotent;
+    /// one instance at a time does it.
+    pub async fn migrate_online(&self) -> Result<OnlineRun, StoreError> {
+        let client = super::pg_migrate::connect(self.listen.clone(), self.db.tls.clone()).await?;
+        super::pg_migrate::online(&client).await
     }
 
     /// A claim, from the batched insert of a new key (with batches) to the full statement.
@@ -1566,6 +1545,10 @@ impl Store for PgStore {
                     if !locked {
                         return Ok(None);
                     }
+                    // Rows still at migration 5's default first (an earlier release's
+                    // instance inserted them), so the delete below does not pass over them.
+                    tx.execute_typed(BACKFILL_GC_AFTER_SQL, &[(&batch, Type::INT8)])
+                        .await?;
                     let n = tx.execute_typed(GC_SQL, &[(&batch, Type::INT8)]).await?;
                     tx.execute_typed(GC_SLOTS_SQL, &[(&batch, Type::INT8)])
                         .await?;
@@ -1645,6 +1628,10 @@ impl Store for PgStore {
         Box::pin(PgStore::migrate(self))
     }
 
+    fn migrate_online(&self) -> BoxFuture<'_, Result<OnlineRun, StoreError>> {
+        Box::pin(PgStore::migrate_online(self))
+    }
+
     fn metrics(&self) -> &StoreMetrics {
         &self.db.metrics
     }
@@ -1674,14 +1661,15 @@ impl Store for PgStore {
 
     fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
-            let (setting, standbys): (String, i64) = self
+            let (setting, isolation, standbys): (String, String, i64) = self
                 .db
                 .with_conn("durability", async |c| {
-                    let setting = c.unnamed_one(SYNC_COMMIT_SQL).await?.get(0);
+                    let row = c.unnamed_one(SYNC_COMMIT_SQL).await?;
                     let standbys = c.unnamed_one(ASYNC_STANDBYS_SQL).await?.get(0);
-                    Ok((setting, standbys))
+                    Ok((row.get(0), row.get(1), standbys))
                 })
                 .await?;
+            check_isolation(&isolation)?;
             self.db.metrics.async_standbys.set(standbys);
             if standbys > 0 {
                 tracing::warn!(
@@ -1696,14 +1684,15 @@ impl Store for PgStore {
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             let latest = MIGRATIONS.iter().map(|m| m.0).max().unwrap_or(0);
-            let (v, setting): (Option<i32>, String) = self
+            let (v, setting, isolation): (Option<i32>, String, String) = self
                 .db
                 .with_conn("ready", async |c| {
                     let row = c.unnamed_one(READY_SQL).await?;
-                    Ok((row.get(0), row.get(1)))
+                    Ok((row.get(0), row.get(1), row.get(2)))
                 })
                 .await?;
             self.check_commit_setting(&setting)?;
+            check_isolation(&isolation)?;
             if v.unwrap_or(0) < latest {
                 return Err(StoreError::Db("migrations not applied".into()));
             }

@@ -274,3 +274,52 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: B
     )
     .await;
 }
+
+/// A completion whose commit landed but whose reply was lost (the connection to PostgreSQL
+/// cut just after it) is tried again; the retry writes nothing, and the row holding the
+/// answer is recognized as this attempt's own: the client gets the answer, the retry a
+/// replay, and no lease is counted lost.
+#[tokio::test]
+async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease() {
+    use crate::support::fault_proxy::{Fault, FaultProxy};
+    let up = Upstream::start_with(Behavior {
+        body: Some(bytes::Bytes::from_static(b"lost-reply-answer")),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let pg_addr: std::net::SocketAddr = db
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(addr, _)| addr.parse().expect("host:port"))
+        .expect("a postgres URL with an address");
+    let proxy = FaultProxy::start(
+        pg_addr,
+        Fault::LoseRepliesAfter {
+            marker: b"lost-reply-answer",
+        },
+    )
+    .await;
+    let through_proxy = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
+    let yaml = config_yaml(&through_proxy, &up.url(), "").patch(
+        "pool_size: 8",
+        &format!("pool_size: 8, listen_url: \"{db}\""),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(
+        (first.status, &first.body[..]),
+        (201, &b"lost-reply-answer"[..]),
+        "{first:?}"
+    );
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(up.executions(), 1);
+    let metrics = admin_request(&gw, http::Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    assert!(
+        !text.contains("event=\"lost\""),
+        "no lease counted lost:\n{text}"
+    );
+}

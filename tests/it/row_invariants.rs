@@ -382,6 +382,26 @@ async fn a_keys_table_partitioned_before_the_upgrade_is_migrated() {
         .unwrap()
         .get(0);
     assert_eq!(expires_indexes, 0, "no index on expires_at is left");
+    // The gc_after index, built concurrently partition by partition after the migrations'
+    // transaction, while the gateway serves: valid on the parent once every one is attached.
+    wait_until(
+        "the gc_after index is built on every partition",
+        Duration::from_secs(30),
+        || async {
+            db.query_one(
+                "SELECT count(*) FILTER (WHERE i.indisvalid) = 3 AND count(*) = 3
+                   FROM pg_index i
+                   JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0]
+                  WHERE i.indrelid::regclass::text LIKE 'idemgate_keys%'
+                    AND i.indnatts = 1 AND a.attname = 'gc_after'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get::<_, bool>(0)
+        },
+    )
+    .await;
     let fillfactors: Vec<String> = db
         .query(
             "SELECT relname || ' ' || coalesce(array_to_string(reloptions, ','), '')

@@ -195,3 +195,50 @@ async fn a_serializable_database_answers_duplicates_without_503() {
     }
     assert_eq!(up.executions(), 2, "one per account");
 }
+
+/// Behind a pooler in transaction mode the gateway cannot set its sessions' isolation: a
+/// database whose default is serializable is refused before serving, naming the fix, and
+/// never reported ready.
+#[tokio::test]
+async fn a_serializable_database_behind_a_pooler_is_refused_naming_the_fix() {
+    use idemgate::store::{Store, StoreError};
+    let (direct, pooled) = crate::support::pgbouncer::fresh_database().await;
+    let pg_of = |yaml: &str| {
+        let config = idemgate::config::Config::from_yaml(yaml).expect("config");
+        let idemgate::config::StoreConfig::Postgres(pg) = config.store else {
+            panic!("a postgres store");
+        };
+        idemgate::store::postgres::PgStore::new(&pg).expect("store")
+    };
+    // Migrated directly, before the pooler opens a session to the database.
+    pg_of(&config_yaml(&direct, "http://127.0.0.1:9", ""))
+        .migrate()
+        .await
+        .expect("migrations");
+    sql(&direct)
+        .await
+        .batch_execute(
+            "DO $$ BEGIN EXECUTE format('ALTER DATABASE %I SET default_transaction_isolation \
+             = ''serializable''', current_database()); END $$",
+        )
+        .await
+        .unwrap();
+    let store = pg_of(&config_yaml_pgbouncer(
+        &pooled,
+        &direct,
+        "http://127.0.0.1:9",
+        "",
+    ));
+    for (what, result) in [
+        ("durability", store.durability().await),
+        ("ready", store.ready().await),
+    ] {
+        match result {
+            Err(StoreError::NotDurable(why)) => {
+                assert!(why.contains("serializable"), "{what}: {why}");
+                assert!(why.contains("ALTER ROLE"), "{what}: {why}");
+            }
+            other => panic!("{what}: expected a refusal, got {other:?}"),
+        }
+    }
+}

@@ -237,35 +237,45 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
     );
 }
 
-/// A pooler in transaction mode configured as a direct session (`pooler` left out): PgBouncer
-/// refuses the session's startup options, so the store is unreachable, and the reason names
-/// the field that fixes it.
+/// A pooler in transaction mode with `pooler` left out: the first connection learns what
+/// `url` is (PgBouncer refuses the session's startup options), and keyed requests are
+/// answered and replayed through it as with `pooler: transaction`. Configured as a direct
+/// session (`pooler: none`), the same pooler is refused with the reason naming the field.
 #[tokio::test]
-async fn a_pooler_configured_as_a_direct_session_is_refused_naming_the_field() {
+async fn a_pooler_left_unnamed_is_detected_and_one_named_wrongly_is_refused_naming_the_field() {
     let up = Upstream::start().await;
     let (direct, pooled) = crate::support::pgbouncer::fresh_database().await;
-    let yaml = config_yaml(&pooled, &up.url(), "");
-    assert!(
-        yaml.contains(&pooled),
-        "the store block points at the pooler"
+    let block = format!(
+        "  postgres: {{ url: \"{pooled}\", listen_url: \"{direct}\", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
+    );
+    let yaml = config_yaml_store(&block, &up.url(), "");
+    assert!(!yaml.contains("pooler:"), "the kind is left to the gateway");
+    let gw = TestGateway::start(&yaml, &direct).await;
+    let c = client();
+    let first = post(&c, &gw, "a", "k", "x").await;
+    assert_eq!(first.status, 201, "{first:?}");
+    for i in 0..20 {
+        assert_eq!(post(&c, &gw, "a", &format!("k{i}"), "x").await.status, 201);
+    }
+    let retry = post(&c, &gw, "a", "k", "x").await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(up.executions(), 21);
+
+    let yaml = config_yaml_store(
+        &block.replace("listen_url", "pooler: none, listen_url"),
+        &up.url(),
+        "",
     );
     let config = idemgate::config::Config::from_yaml(&yaml).expect("config");
     let idemgate::config::StoreConfig::Postgres(pg) = &config.store else {
         panic!("a postgres store");
     };
     let store = idemgate::store::postgres::PgStore::new(pg).expect("store");
-    let why = match store.migrate().await {
+    use idemgate::store::Store;
+    let why = match store.inspect("a", "k").await {
         Err(idemgate::store::StoreError::Connect(why)) => why,
         other => panic!("expected the pooler to refuse the session, got {other:?}"),
     };
     assert!(why.contains("unsupported startup parameter"), "{why}");
     assert!(why.contains("store.postgres.pooler: transaction"), "{why}");
-    // The same database directly, for contrast: the settings are otherwise right.
-    let yaml = config_yaml(&direct, &up.url(), "");
-    let config = idemgate::config::Config::from_yaml(&yaml).expect("config");
-    let idemgate::config::StoreConfig::Postgres(pg) = &config.store else {
-        panic!("a postgres store");
-    };
-    let store = idemgate::store::postgres::PgStore::new(pg).expect("store");
-    store.migrate().await.expect("the direct session migrates");
 }

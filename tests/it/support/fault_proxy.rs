@@ -9,6 +9,10 @@
 //!   response, then close.
 //! - [`Fault::Blackhole`]: read the request and never answer.
 //! - [`Fault::SlowBody`]: relay the response `chunk` bytes at a time with `pause` between.
+//! - [`Fault::LoseRepliesAfter`]: relay both ways until a client first sends `marker` (once
+//!   per proxy, on whichever connection); from then on nothing more reaches that client, and
+//!   both sides are closed a moment later (a reply lost after the server acted: a database's
+//!   commit that the client never hears of).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -26,6 +30,7 @@ pub enum Fault {
     CutMidBody { after: usize },
     Blackhole,
     SlowBody { chunk: usize, pause: Duration },
+    LoseRepliesAfter { marker: &'static [u8] },
 }
 
 pub struct FaultProxy {
@@ -33,6 +38,8 @@ pub struct FaultProxy {
     target: SocketAddr,
     fault: Arc<Mutex<Fault>>,
     accept: Mutex<Option<JoinHandle<()>>>,
+    /// Whether a `LoseRepliesAfter` fault has fired (it fires once).
+    fired: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FaultProxy {
@@ -43,6 +50,7 @@ impl FaultProxy {
             target,
             fault: Arc::new(Mutex::new(Fault::Pass)),
             accept: Mutex::new(None),
+            fired: Arc::default(),
         };
         proxy.listen(listener);
         proxy.set(fault).await;
@@ -74,13 +82,14 @@ impl FaultProxy {
 
     fn listen(&self, listener: TcpListener) {
         let (fault, target) = (Arc::clone(&self.fault), self.target);
+        let fired = Arc::clone(&self.fired);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
                 let fault = *fault.lock().unwrap();
-                tokio::spawn(handle(client, target, fault));
+                tokio::spawn(handle(client, target, fault, Arc::clone(&fired)));
             }
         });
         *self.accept.lock().unwrap() = Some(task);
@@ -100,7 +109,12 @@ async fn read_request(client: &mut TcpStream) -> Vec<u8> {
     buf
 }
 
-async fn handle(mut client: TcpStream, target: SocketAddr, fault: Fault) {
+async fn handle(
+    mut client: TcpStream,
+    target: SocketAddr,
+    fault: Fault,
+    fired: Arc<std::sync::atomic::AtomicBool>,
+) {
     match fault {
         Fault::Refuse => {}
         Fault::ResetBeforeResponse => {
@@ -115,6 +129,9 @@ async fn handle(mut client: TcpStream, target: SocketAddr, fault: Fault) {
                     break;
                 }
             }
+        }
+        Fault::LoseRepliesAfter { marker } => {
+            lose_replies_after(client, target, marker, fired).await
         }
         Fault::Pass | Fault::CutMidBody { .. } | Fault::SlowBody { .. } => {
             let Ok(upstream) = TcpStream::connect(target).await else {
@@ -161,4 +178,56 @@ async fn handle(mut client: TcpStream, target: SocketAddr, fault: Fault) {
             up.abort();
         }
     }
+}
+
+async fn lose_replies_after(
+    client: TcpStream,
+    target: SocketAddr,
+    marker: &'static [u8],
+    fired: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let Ok(upstream) = TcpStream::connect(target).await else {
+        return;
+    };
+    let (mut cr, mut cw) = client.into_split();
+    let (mut ur, mut uw) = upstream.into_split();
+    let lost = Arc::new(AtomicBool::new(false));
+    let down = {
+        let lost = Arc::clone(&lost);
+        tokio::spawn(async move {
+            let mut buf = [0u8; 8192];
+            while let Ok(n) = ur.read(&mut buf).await {
+                if n == 0 || lost.load(Ordering::SeqCst) {
+                    break;
+                }
+                if cw.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+            // Nothing more for the client; keep the socket open a moment (the server acts
+            // meanwhile), then close it.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            drop(cw);
+        })
+    };
+    let mut buf = [0u8; 8192];
+    while let Ok(n) = cr.read(&mut buf).await {
+        if n == 0 {
+            break;
+        }
+        if buf[..n].windows(marker.len()).any(|w| w == marker)
+            && !fired.swap(true, Ordering::SeqCst)
+        {
+            // Set before the bytes reach the server, so its reply is never relayed.
+            lost.store(true, Ordering::SeqCst);
+        }
+        if uw.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+        if lost.load(Ordering::SeqCst) {
+            break;
+        }
+    }
+    let _ = down.await;
 }
