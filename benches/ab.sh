@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Two gateways measured by turns: A and B side by side, and short wrk runs that alternate
 # between them, so that a noisy machine's slow minutes fall on both sides. A and B may be two
-# builds, two settings, or both (BENCHMARKS.md, "the release build inlines";
-# benches/yield_ab.sh is one use).
+# builds, two settings, or both (BENCHMARKS.md, "Method"; benches/README.md).
 #
 #   benches/ab.sh BIN_A [BIN_B]      # BIN_B: BIN_A
 #
 # LINE_A and LINE_B (default none) are a YAML line each added to that gateway's config, as in
-# LINE_A='server: { yield_on_wake: false }'; NAME_A and NAME_B (default A and B) label them.
+# LINE_A='server: { worker_threads: 1 }'; NAME_A and NAME_B (default A and B) label them.
 # Both gateways use the embedded store, one nginx upstream on a free port and the benchmark
 # routes. For each scenario of SCENARIOS ("replay plain"): ROUNDS (10) pairs of
 # `wrk -t1 -c$CONNS` runs (CONNS 32) of RUN_SECONDS (5) each, one against each gateway, the
@@ -16,8 +15,8 @@
 # `idemgate_requests_total`), its CPU time per request, how often its threads slept
 # (voluntary context switches) and the machine's steal time (/proc/stat). It prints every
 # run, and the median over the pairs with at most STEAL (3) percent steal in both runs of
-# A's rate and CPU per request divided by B's; at the end, how often each gateway's yields
-# paused (`idemgate_yield_pauses_total`).
+# A's rate and CPU per request divided by B's; at the end, for builds that count them, how
+# often each gateway's yields paused (`idemgate_yield_pauses_total`).
 #
 # With HOGS=N (default 0), N busy loops run beside the gateways the whole time; use it with
 # CONNS=4 to see what a change costs when a neighbour takes whole slices (the runs also

@@ -1,13 +1,13 @@
-//! The admin listener (`admin.listen`): metrics, liveness, readiness and the key API (SPEC
-//! section 6).
+//! The admin listener (`admin.listen`): metrics, liveness, readiness and the key API
+//! (docs/contract.md §6).
 //!
 //! - `GET /metrics`: OpenMetrics when asked for, else the Prometheus text format (see
 //!   `metrics.rs`).
 //! - `GET /healthz`: 200 while the process serves.
 //! - `GET /readyz`: whether a load balancer should send this instance traffic (see
-//!   [`readyz`]): 503 while draining (SPEC 8.3), until the store has been ready once, and
-//!   while the store refuses to keep commits (SPEC 8.4); 200 otherwise, also during a store
-//!   outage once the store has been ready, with the trouble in the body.
+//!   [`readyz`]): 503 while draining (contract §8.3), until the store has been ready once,
+//!   and while the store refuses to keep commits (contract §8.4); 200 otherwise, also during
+//!   a store outage once the store has been ready, with the trouble in the body.
 //! - `GET /v1/keys?scope=S&key=K[&route=R]`: the row as JSON (404 when absent). `S` is the
 //!   scope value the client sent; `R` chooses among routes whose scopes share that value
 //!   (400 when it is ambiguous without it; see `keys.rs`).
@@ -209,8 +209,8 @@ const READY_CHECK_BOUND: std::time::Duration = std::time::Duration::from_millis(
 ///   down since start, migrations not applied): 503 `not ready`, so a rollout does not
 ///   replace working instances with ones that cannot reach their store;
 /// - the store answers but may lose commits (`synchronous_commit = off` without
-///   `allow_async_commit`, SPEC 8.4): 503 `not ready`, always: that is a configuration error,
-///   not an outage;
+///   `allow_async_commit`, docs/contract.md §8.4): 503 `not ready`, always: that is a
+///   configuration error, not an outage;
 /// - the store was ready before and does not answer now: 200 `{"status":"degraded"}` with
 ///   the reason. The outage is shared by every instance on that database, so failing
 ///   readiness would pull all of them out at once and turn 503 `store-unavailable` (with

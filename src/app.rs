@@ -7,7 +7,7 @@
 //! Invariants:
 //! - [`App::build`] binds nothing: the caller hands over [`Listeners`] it bound (`serve` the
 //!   configured addresses, a test `127.0.0.1:0`), so nobody picks a port and hopes.
-//! - A database that may lose commits (SPEC 8.4) is a configuration error, not an outage:
+//! - A database that may lose commits (contract §8.4) is a configuration error, not an outage:
 //!   `build` refuses it when it answers at once, and `run` stops with the same error when it
 //!   is found so later. A store that does not answer is an outage: the gateway serves (keyed
 //!   requests get 503 `store-unavailable`, `/readyz` says not ready) and keeps trying.
@@ -318,8 +318,17 @@ async fn prepare_store(store: &dyn Store) -> Result<(), StoreError> {
     store.durability().await?;
     if let Err(e) = store.migrate().await {
         // Not an outage to wait out quietly: the operator has to act (a long transaction
-        // holds a lock, a role lacks a privilege, a migration fails).
-        tracing::error!(error = %e, "the migrations failed; trying again");
+        // holds a lock, a role lacks a privilege, a migration fails). Said at error level
+        // once per reason, not at every retry.
+        static LAST: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+        let why = e.to_string();
+        let mut last = LAST.lock().expect("last migration error");
+        if *last != why {
+            tracing::error!(error = %e, "the migrations failed; trying again");
+            *last = why;
+        } else {
+            tracing::debug!(error = %e, "the migrations failed again");
+        }
         return Err(e);
     }
     Ok(())
@@ -433,6 +442,15 @@ async fn reload_on_sighup(path: PathBuf, gateway: Arc<Gateway>, mut stop: watch:
             }
             Ok(config) => {
                 let routes = config.routes.len();
+                match gateway.reload_certificate() {
+                    None => {}
+                    Some(Ok(())) => tracing::info!(
+                        "the listener's certificate was read again; new connections use it"
+                    ),
+                    Some(Err(why)) => {
+                        tracing::error!(error = %why, "the listener's certificate could not be read again; the one in place stays")
+                    }
+                }
                 match gateway.reload(config) {
                     Err(why) => {
                         tracing::error!(error = %why, "reload refused; the old configuration stays in force")

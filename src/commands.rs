@@ -1,4 +1,4 @@
-//! What each CLI verb does (SPEC section 6). `main.rs` only parses arguments and maps
+//! What each CLI verb does (docs/contract.md §6). `main.rs` only parses arguments and maps
 //! [`CommandError`] to an exit code: 64 for a bad config (before any port is bound), 1 for
 //! everything else.
 

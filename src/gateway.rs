@@ -1,4 +1,5 @@
-//! One request: route → key/scope → fingerprint → claim → forward or replay (SPEC section 2).
+//! One request: route → key/scope → fingerprint → claim → forward or replay
+//! (docs/contract.md §2).
 //!
 //! [`Gateway::handle`] never fails: it calls [`Gateway::route_request`], which returns a
 //! `Result`, and turns an error into a problem response, logging it once with its cause.
@@ -18,7 +19,7 @@
 //!   client that hangs up does not cancel it, and a task that panics is a 500 `internal`.
 //! - Only a plain request can open a tunnel (`tunnel.rs`); a keyed one's `Upgrade` is
 //!   stripped like any hop-by-hop header, so no key is claimed for a tunnel.
-//! - A `mode: observe` route (SPEC 8.3) claims, fingerprints and records a first attempt
+//! - A `mode: observe` route (contract §8.3) claims, fingerprints and records a first attempt
 //!   exactly as `enforce` does, but every request is forwarded: a duplicate, an in-flight
 //!   duplicate or a mismatch is forwarded unrecorded (the stored first answer is never
 //!   touched) and counted in `idemgate_observed_total`; a request that cannot be keyed, a
@@ -77,12 +78,15 @@ pub struct Gateway {
     budget: Arc<ByteBudget>,
     /// Draining, and whether the store has been ready once (what `/readyz` reports).
     readiness: Readiness,
+    /// The listener's certificate (`server.tls`), loaded by the first serving thread and
+    /// shared by all; SIGHUP reads its files again.
+    listener_cert: std::sync::Mutex<Option<Arc<crate::tls::ListenerCert>>>,
 }
 
 /// What `/readyz` needs to know besides the store's own answer (see `admin.rs`).
 #[derive(Debug, Default)]
 pub struct Readiness {
-    /// Set once on SIGTERM/SIGINT: `/readyz` answers 503 from then on (SPEC 8.3).
+    /// Set once on SIGTERM/SIGINT: `/readyz` answers 503 from then on (docs/contract.md §8.3).
     draining: AtomicBool,
     /// Set the first time the store answered, migrated and durable: from then on a store
     /// outage is reported by `/readyz` without failing it.
@@ -286,6 +290,7 @@ impl Gateway {
             limits,
             budget,
             readiness: Readiness::default(),
+            listener_cert: std::sync::Mutex::default(),
         }
     }
 
@@ -295,8 +300,8 @@ impl Gateway {
     }
 
     /// Admits a request to `upstream` with `bytes` of body to buffer (`None`: a streamed
-    /// forward, which buffers nothing), or refuses it (SPEC 8.2): nothing has been read,
-    /// claimed or forwarded yet.
+    /// forward, which buffers nothing), or refuses it (docs/contract.md §8.2): nothing has
+    /// been read, claimed or forwarded yet.
     /// Admits a request: with an upstream slot when it is forwarded as it comes
     /// (`buffered: false`), without one when it is keyed (it takes one once it has claimed
     /// its key, `Gateway::forward_slot`); with a reservation of the byte budget that grows as
@@ -363,25 +368,36 @@ impl Gateway {
                 "the store section changed; restart to apply it (nothing was reloaded)".into(),
             );
         }
+        // Sections only a restart applies are compared with what runs, and what runs is kept
+        // in the new snapshot (so a request never sees a value the log says is pending, and
+        // a second SIGHUP still reports a pending change).
+        let mut config = config;
         let mut restart_needed = Vec::new();
         if old.listen != config.listen {
             restart_needed.push("listen");
+            config.listen = old.listen;
         }
         if old.admin.as_ref().map(|a| a.listen) != config.admin.as_ref().map(|a| a.listen) {
             restart_needed.push("admin.listen");
         }
+        if let (Some(running), Some(new)) = (&old.admin, &mut config.admin) {
+            new.listen = running.listen;
+        }
         if old.server != config.server {
             restart_needed.push("server");
+            config.server = old.server.clone();
         }
-
         if old.gc != config.gc {
             restart_needed.push("store.gc");
+            config.gc = old.gc.clone();
         }
         if old.replay_cache_bytes != config.replay_cache_bytes {
             restart_needed.push("replay_cache");
+            config.replay_cache_bytes = old.replay_cache_bytes;
         }
         if old.log_format != config.log_format {
             restart_needed.push("log");
+            config.log_format = old.log_format;
         }
         self.metrics.init_observed(&config);
         let routing = Routing::new(
@@ -396,6 +412,33 @@ impl Gateway {
         self.generation
             .fetch_add(1, std::sync::atomic::Ordering::Release);
         Ok(restart_needed)
+    }
+
+    /// The listener's TLS (`server.tls`), its certificate loaded once and shared by every
+    /// serving thread.
+    pub fn listener_tls(
+        &self,
+        files: &crate::config::TlsFiles,
+    ) -> Result<Arc<rustls::ServerConfig>, String> {
+        let mut cert = self.listener_cert.lock().expect("certificate lock");
+        let cert = match &*cert {
+            Some(c) => Arc::clone(c),
+            None => {
+                Arc::clone(cert.insert(crate::tls::ListenerCert::load(&files.cert, &files.key)?))
+            }
+        };
+        cert.server_config()
+    }
+
+    /// Reads the listener's certificate files again (SIGHUP): `None` without TLS; on an
+    /// error the certificate in place stays.
+    pub fn reload_certificate(&self) -> Option<Result<(), String>> {
+        let cert = self
+            .listener_cert
+            .lock()
+            .expect("certificate lock")
+            .clone()?;
+        Some(cert.reload())
     }
 
     /// The process's metrics.
@@ -823,10 +866,7 @@ impl KeyedWork {
                 })
             };
         let mut claimed_at = Instant::now();
-        let claimed = {
-            let _waiting = crate::wake::InFlight::start();
-            gateway.store.claim(claim).await
-        };
+        let claimed = { gateway.store.claim(claim).await };
         let first = match claimed {
             Ok(found) => found,
             Err(e) if observe => {
@@ -877,7 +917,6 @@ impl KeyedWork {
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
-                let _waiting = crate::wake::InFlight::start();
                 match Box::pin(wait::wait_in_flight(
                     gateway.store.as_ref(),
                     claim,

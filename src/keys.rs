@@ -7,8 +7,9 @@
 //! the route. A stored scope (`header:acct_9`, `authz:…`, as `keys show` prints it) is also
 //! accepted as it is.
 //!
-//! A delete refuses a key in flight under a live lease unless forced (SPEC 8.2); a forced
-//! delete of such a key is logged and, in a serving process, counted as a possible double.
+//! A delete refuses a key in flight under a live lease unless forced (docs/contract.md §8.2);
+//! a forced delete of such a key is logged and, in a serving process, counted as a possible
+//! double.
 
 use crate::config::{Config, ScopeSource};
 use crate::key::namespaced;

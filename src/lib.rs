@@ -40,8 +40,8 @@
 //! Beside the gateway, with the cargo feature `demo` (on by default), `src/demo/`:
 //!
 //! - `demo`: `idemgate demo`: the lab, straight and through idemgate, side by side.
-//! - `demo::lab` (also `idemgate::lab`): LAB.md as code: the naive legacy ledger upstream
-//!   and the lab's checks.
+//! - `demo::lab` (also `idemgate::lab`): the lab of docs/lab.md as code: the naive legacy
+//!   ledger upstream and the lab's checks.
 //! - `demo::process` (also `idemgate::process`): an `idemgate serve` child process to crash
 //!   and restart (demo, tests, benchmarks).
 
@@ -79,7 +79,6 @@ pub mod timer;
 pub mod tls;
 pub mod tunnel;
 pub mod wait;
-pub mod wake;
 
 #[cfg(feature = "demo")]
 pub use demo::{lab, process};

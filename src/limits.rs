@@ -1,5 +1,5 @@
-//! Admission bounds (SPEC section 8.2): what protects the upstream and the gateway's memory
-//! from a storm, detached work included.
+//! Admission bounds (docs/contract.md §8.2): what protects the upstream and the gateway's
+//! memory from a storm, detached work included.
 //!
 //! - [`UpstreamLimit`]: `upstreams.<name>.max_in_flight`, requests being forwarded to one
 //!   upstream at once. A plain request takes its slot when it is admitted; a keyed one only

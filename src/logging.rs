@@ -161,7 +161,16 @@ impl<'a> MakeWriter<'a> for Buffered {
     }
 }
 
-/// Installs the global subscriber: `RUST_LOG` (default `info`), text or JSON, buffered.
+/// The caps on the PostgreSQL driver's own log (see [`init`]): the crate, and the modules
+/// that log parameters (a more specific `RUST_LOG` directive would otherwise win).
+const DRIVER_CAPS: [&str; 3] = [
+    "tokio_postgres=info",
+    "tokio_postgres::query=info",
+    "tokio_postgres::prepare=info",
+];
+
+/// Installs the global subscriber: `RUST_LOG` (default `info`), text or JSON, buffered. Logs
+/// never carry raw keys, scopes or bodies, at any level.
 pub fn init(format: LogFormat) {
     use tracing_subscriber::EnvFilter;
     FLUSHER.get_or_init(|| {
@@ -177,7 +186,15 @@ pub fn init(format: LogFormat) {
             .ok()
             .map(|handle| handle.thread().clone())
     });
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| EnvFilter::new("info"))
+        // The PostgreSQL driver logs every statement with its parameters at debug: raw keys,
+        // scopes and whole stored bodies. Capped at info whatever `RUST_LOG` says (a later
+        // directive for the same target replaces an earlier one).
+        ;
+    let filter = DRIVER_CAPS.iter().fold(filter, |f, cap| {
+        f.add_directive(cap.parse().expect("a valid directive"))
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::stderr().is_terminal())

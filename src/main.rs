@@ -35,7 +35,7 @@ enum Command {
         #[arg(long, short)]
         config: PathBuf,
     },
-    /// Zero-setup run of the lab (LAB.md): a naive ledger, straight and through idemgate.
+    /// Zero-setup run of the lab: a naive ledger, straight and through idemgate.
     #[cfg(feature = "demo")]
     Demo {
         /// Run on PostgreSQL (postgres://...) instead of the embedded store.
@@ -131,11 +131,7 @@ fn main() -> ExitCode {
     // admin plane and the background tasks); `App::run` starts the others.
     let mut runtime = match serve_config.as_ref().map(|c| &c.server) {
         Some(s) if s.runtime == RuntimeLayout::ThreadPerCore => {
-            let mut b = tokio::runtime::Builder::new_current_thread();
-            if s.yield_on_wake {
-                b.on_thread_unpark(idemgate::wake::on_wake);
-            }
-            b
+            tokio::runtime::Builder::new_current_thread()
         }
         Some(s) => {
             let mut b = tokio::runtime::Builder::new_multi_thread();

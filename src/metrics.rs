@@ -17,11 +17,10 @@
 //! - `idemgate_forwards_in_flight`, `idemgate_store_pool_connections{state}`,
 //!   `idemgate_replay_cache_bytes`, `idemgate_wakeups_healthy`: gauges read at scrape time.
 //! - `idemgate_upstream_in_flight{upstream}` and `idemgate_buffered_bytes`: the admission
-//!   bounds' gauges (SPEC 8.2); `idemgate_overloaded_total{upstream, bound}` counts the
-//!   refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
+//!   bounds' gauges (docs/contract.md §8.2); `idemgate_overloaded_total{upstream, bound}`
+//!   counts the refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
 //! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
 //!   a live lease (a possible double, like `taken_over`).
-//! - `idemgate_yield_pauses_total`: the process's pauses of `server.yield_on_wake` (`wake.rs`).
 //! - `idemgate_observed_total{route, outcome}`: on `mode: observe` routes, what enforcing
 //!   would have done with a request that was forwarded instead (see [`observed`]). The
 //!   three series of every observe route exist from the start (at 0), so a rate reads 0,
@@ -94,8 +93,8 @@ pub mod outcome {
     pub const OBSERVED: &str = "observed";
 }
 
-/// The outcome names of `idemgate_observed_total` (SPEC 8.3): what enforcing would have
-/// done with a request an observe route forwarded.
+/// The outcome names of `idemgate_observed_total` (docs/contract.md §8.3): what enforcing
+/// would have done with a request an observe route forwarded.
 pub mod observed {
     /// The key was completed with the same fingerprint: enforcing would have replayed the
     /// stored answer. Also a key whose stored answer was too large to replay or whose
@@ -479,11 +478,6 @@ impl Metrics {
             "replay_cache_bytes",
             "Bytes held by the replay cache",
             replay_cache_bytes.clone(),
-        );
-        registry.register(
-            "yield_pauses",
-            "Times the serving threads stopped yielding on wake-up for 5 s, their yields having met a neighbour that runs whole slices (server.yield_on_wake)",
-            crate::wake::pauses(),
         );
         registry.register(
             "wakeups_healthy",

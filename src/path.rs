@@ -1,4 +1,4 @@
-//! Request path normalization (SPEC section 8.1): one request, one spelling.
+//! Request path normalization (docs/contract.md §8.1): one request, one spelling.
 //!
 //! A legacy stack behind nginx routes `/a/b`, `/a//b`, `/a/./b`, `/a/x/../b` and `/a/%62`
 //! to one handler. If the gateway matched the raw spelling, a redelivery spelled another way

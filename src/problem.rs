@@ -1,4 +1,5 @@
-//! Every client-visible error, and the one table that maps it to a status (SPEC section 3).
+//! Every client-visible error, and the one table that maps it to a status
+//! (docs/contract.md §3).
 //!
 //! [`GatewayError`] is what the request path returns; [`GatewayError::problem`] is the only
 //! place that decides a status, as an exhaustive `match` without a `_` arm, so a new variant
@@ -168,7 +169,7 @@ pub struct Problem {
 }
 
 impl GatewayError {
-    /// The one status table (SPEC section 3).
+    /// The one status table (docs/contract.md §3).
     pub fn problem(&self) -> Problem {
         use GatewayError as E;
         let (status, slug, title, detail, retry_after): (u16, _, _, String, _) = match self {

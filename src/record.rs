@@ -1,5 +1,5 @@
 //! Forward, record, retry: a claimed keyed request from its forward to its recorded outcome
-//! (SPEC section 2, steps 5-7), inside the request's own task.
+//! (docs/contract.md §2.5-§2.7), inside the request's own task.
 //!
 //! Invariants:
 //! - The outcome is written fenced by the lease token; a write that finds the lease taken
@@ -139,8 +139,6 @@ impl ForwardJob {
         let limit = idem.max_stored_response;
         let held = &mut self.admission.bytes;
         let exchange = async {
-            // The head and the body read whole: a client waits for both.
-            let _waiting = crate::wake::InFlight::start();
             let resp = upstream.send_streamed(request, None).await?;
             let (parts, body) = resp.into_parts();
             if idem.retry_statuses.contains(parts.status.as_u16()) {
@@ -234,8 +232,6 @@ impl ForwardJob {
     /// it (guarantee 3). A retry that could end after the lease is not started: past it,
     /// another attempt may own the key.
     async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
-        // Its retries' pauses too: the answer waits for them.
-        let _waiting = crate::wake::InFlight::start();
         let mut last = None;
         let bound = self.routing.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
@@ -271,7 +267,6 @@ impl ForwardJob {
     /// One fenced write; `Ok(false)`: nothing was written (the lease was lost, or an
     /// earlier try wrote it), and our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
-        let _waiting = crate::wake::InFlight::start();
         self.store
             .finish(&self.scope, &self.key, &self.token, outcome, ttl)
             .await

@@ -1,5 +1,6 @@
 //! `serialize`: at most `max_in_flight` keyed requests of one scope forwarded at once, across
-//! every instance (SPEC section 4; LAB.md part 5: backends that read, then write, per account).
+//! every instance (docs/contract.md §4; docs/lab.md, step 5: backends that read, then write,
+//! per account).
 //!
 //! The limit holds per route, also when routes with different limits share a scope: a
 //! request of a route with limit L starts only when, counting itself, the scope's live slots
@@ -119,7 +120,6 @@ impl Serializer {
                 Arc::clone(&entry.turn),
             )
         };
-        let _waiting = crate::wake::InFlight::start();
         let Ok(permit) = tokio::time::timeout_at(deadline, sem.acquire_owned()).await else {
             return Ok(None);
         };
@@ -167,7 +167,6 @@ impl Serializer {
 impl Held {
     /// Frees the slot in the store (waking waiters everywhere), then the local permit.
     pub async fn release(self, store: &dyn Store) {
-        let _waiting = crate::wake::InFlight::start();
         match store.release_slot(&self.slot).await {
             Ok(true) => {}
             Ok(false) => {

@@ -11,7 +11,8 @@
 //! cut: its key keeps its lease and is never marked done.
 //!
 //! `serve` resolves that future through [`drain_on_signal`]: on SIGTERM/SIGINT `/readyz`
-//! fails at once while the listener keeps accepting for `server.drain_delay` (SPEC 8.3).
+//! fails at once while the listener keeps accepting for `server.drain_delay`
+//! (docs/contract.md §8.3).
 //!
 //! With `server.runtime: thread_per_core` (the default) `App::run` serves the listener on its
 //! own runtime and on `worker_threads - 1` [`ServingThread`]s, each a single-threaded runtime
@@ -55,10 +56,9 @@ pub async fn run(
 ) -> Result<(), String> {
     let tls = match &cfg.tls {
         None => None,
-        Some(files) => Some(tokio_rustls::TlsAcceptor::from(crate::tls::server_config(
-            &files.cert,
-            &files.key,
-        )?)),
+        Some(files) => Some(tokio_rustls::TlsAcceptor::from(
+            gateway.listener_tls(files)?,
+        )),
     };
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // hyper's timer for the header read timeout is set per connection, below.
@@ -275,7 +275,7 @@ impl<C: GracefulConnection> Future for Watched<C> {
     }
 }
 
-/// The drain of SPEC 8.3: resolves when the listener must stop accepting. On SIGTERM or
+/// The drain of contract §8.3: resolves when the listener must stop accepting. On SIGTERM or
 /// SIGINT the gateway is marked draining at once (`/readyz` answers 503, HTTP/1 answers
 /// carry `Connection: close`), and the listener keeps accepting and serving for
 /// `drain_delay`, so load balancers stop sending before it closes; a second signal ends the
@@ -436,9 +436,6 @@ async fn handed_to(
 /// the kernel hands each new connection to one of the threads waiting on it, and the thread
 /// that accepts a connection serves it to the end.
 ///
-/// With `server.yield_on_wake` its runtime calls [`crate::wake::on_wake`] each time the
-/// thread wakes up.
-///
 /// Invariant: its runtime lives until [`ServingThread::finish`], after every thread has
 /// drained, so the forwards it started and the store connections it opened outlast the
 /// drain of the threads that may still use them.
@@ -460,11 +457,9 @@ impl ServingThread {
         place: Balanced,
         mut stop: watch::Receiver<bool>,
     ) -> std::io::Result<ServingThread> {
-        let mut runtime = tokio::runtime::Builder::new_current_thread();
-        if cfg.yield_on_wake {
-            runtime.on_thread_unpark(crate::wake::on_wake);
-        }
-        let runtime = runtime.enable_all().build()?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         let (served_tx, served) = tokio::sync::oneshot::channel();
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()

@@ -43,22 +43,71 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
         .map_err(|e| format!("cannot read a private key from {}: {e}", path.display()))
 }
 
-/// The listener's TLS: the chain and key, ALPN `h2` then `http/1.1`.
-pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
-    let mut config = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?
-        .with_no_client_auth()
-        .with_single_cert(load_certs(cert)?, load_key(key)?)
+/// The listener's certificate and key, replaceable while serving: every handshake takes
+/// the pair in place at that moment, so after [`ListenerCert::reload`] (SIGHUP) new
+/// connections get the new certificate and open ones keep theirs.
+#[derive(Debug)]
+pub struct ListenerCert {
+    cert: std::path::PathBuf,
+    key: std::path::PathBuf,
+    current: std::sync::RwLock<Arc<rustls::sign::CertifiedKey>>,
+}
+
+impl ListenerCert {
+    /// Reads the pair; a problem names the file.
+    pub fn load(cert: &Path, key: &Path) -> Result<Arc<ListenerCert>, String> {
+        Ok(Arc::new(ListenerCert {
+            current: std::sync::RwLock::new(certified(cert, key)?),
+            cert: cert.to_path_buf(),
+            key: key.to_path_buf(),
+        }))
+    }
+
+    /// Reads the files again; on a problem the pair in place stays, and the error says why.
+    pub fn reload(&self) -> Result<(), String> {
+        let fresh = certified(&self.cert, &self.key)?;
+        *self.current.write().expect("certificate lock") = fresh;
+        Ok(())
+    }
+
+    /// The listener's TLS with this certificate: ALPN `h2` then `http/1.1`.
+    pub fn server_config(self: &Arc<Self>) -> Result<Arc<ServerConfig>, String> {
+        let mut config = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| e.to_string())?
+            .with_no_client_auth()
+            .with_cert_resolver(Arc::clone(self) as Arc<dyn rustls::server::ResolvesServerCert>);
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
+impl rustls::server::ResolvesServerCert for ListenerCert {
+    fn resolve(
+        &self,
+        _: rustls::server::ClientHello<'_>,
+    ) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        Some(Arc::clone(&self.current.read().expect("certificate lock")))
+    }
+}
+
+/// A chain and its key, checked to be a pair.
+fn certified(cert: &Path, key: &Path) -> Result<Arc<rustls::sign::CertifiedKey>, String> {
+    rustls::sign::CertifiedKey::from_der(load_certs(cert)?, load_key(key)?, &provider())
+        .map(Arc::new)
         .map_err(|e| {
             format!(
                 "{} and {} do not make a key pair: {e}",
                 cert.display(),
                 key.display()
             )
-        })?;
-    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
-    Ok(Arc::new(config))
+        })
+}
+
+/// The listener's TLS for a chain and key read once (see [`ListenerCert`] for one that
+/// reloads).
+pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<ServerConfig>, String> {
+    ListenerCert::load(cert, key)?.server_config()
 }
 
 /// Roots from a CA file, or the platform's roots without one.

@@ -1,4 +1,4 @@
-//! Configuration: the YAML file of SPEC section 4, in two stages.
+//! Configuration: the YAML file of docs/contract.md §4, in two stages.
 //!
 //! 1. The text is parsed by serde-saphyr into a generic tree, `${VAR}` references in string
 //!    values are replaced from the environment, and the tree is deserialized into the `Raw*`
@@ -32,7 +32,9 @@
 //! `as_str`, [`fmt_duration`], [`fmt_size`]), and every such spelling is one the config
 //! accepts.
 
+mod pg_url;
 mod raw;
+mod shadow;
 mod units;
 mod validate;
 
@@ -138,11 +140,11 @@ pub struct ServerConfig {
     /// stopped accepting.
     pub shutdown_grace: Duration,
     /// After SIGTERM/SIGINT, how long `/readyz` answers 503 while the listener still
-    /// accepts and serves (SPEC 8.3), so load balancers stop sending before it closes. Zero
-    /// (the default) closes the listener at once.
+    /// accepts and serves (docs/contract.md §8.3), so load balancers stop sending before it
+    /// closes. Zero (the default) closes the listener at once.
     pub drain_delay: Duration,
     /// Request bodies and captured responses held in memory at once, across all requests
-    /// (SPEC 8.2); past it new requests get 503 `overloaded`.
+    /// (docs/contract.md §8.2); past it new requests get 503 `overloaded`.
     pub max_buffered_bytes: usize,
     /// Requests one HTTP/2 connection may have open at once.
     pub h2_max_concurrent_streams: u32,
@@ -150,9 +152,8 @@ pub struct ServerConfig {
     pub worker_threads: usize,
     /// How those threads share the work (default: a thread per core).
     pub runtime: RuntimeLayout,
-    /// With `thread_per_core`: a serving thread woken while nothing the gateway waits for is
-    /// in flight yields once first, while such yields pay (`wake.rs`). Default on.
-    pub yield_on_wake: bool,
+    /// Fields set in the file that are no longer read (each gets a warning).
+    pub retired: Vec<&'static str>,
     /// TLS on the listener (HTTP/1.1 and h2 by ALPN); plain HTTP (and h2c) without.
     pub tls: Option<TlsFiles>,
 }
@@ -253,7 +254,8 @@ pub struct SqliteConfig {
 #[derive(Clone, PartialEq)]
 pub struct PostgresConfig {
     pub url: String,
-    /// The direct session that LISTENs for wake-ups (SPEC 8.4); `url` when not given.
+    /// The direct session that LISTENs for wake-ups (docs/contract.md §8.4); `url` when not
+    /// given.
     pub listen_url: String,
     /// What `url` points at: PostgreSQL itself or a pooler in transaction mode; `None`
     /// (not configured): learned from the first connection (src/store/pg_connect.rs).
@@ -272,9 +274,9 @@ pub struct PostgresConfig {
     pub tls: PgTlsMode,
     /// CA file for `verify-full` (the platform's roots without one).
     pub tls_ca: Option<std::path::PathBuf>,
-    /// Accept a database whose `synchronous_commit` is `off` (SPEC 8.4). Such a database
-    /// can lose a commit that a client was already answered from (guarantee 3), so `serve`
-    /// refuses it and `/readyz` fails unless this says the operator chose that.
+    /// Accept a database whose `synchronous_commit` is `off` (docs/contract.md §8.4). Such a
+    /// database can lose a commit that a client was already answered from (guarantee 3), so
+    /// `serve` refuses it and `/readyz` fails unless this says the operator chose that.
     pub allow_async_commit: bool,
 }
 
@@ -339,8 +341,8 @@ pub enum PathMatch {
 }
 
 impl PathMatch {
-    /// Whether a normalized request path matches (SPEC section 8.1): an exact path with or
-    /// without one trailing slash; a prefix on a segment boundary (`/api` matches `/api` and
+    /// Whether a normalized request path matches (docs/contract.md §8.1): an exact path with
+    /// or without one trailing slash; a prefix on a segment boundary (`/api` matches `/api` and
     /// `/api/x`, never `/apix`). Configured paths are normalized at load, and a prefix is
     /// kept without its trailing slash (`/` stays `/`).
     pub fn matches(&self, path: &str) -> bool {
@@ -419,11 +421,11 @@ pub enum RuntimeLayout {
 }
 
 /// Whether a keyed route enforces idempotency or only observes what enforcing would do
-/// (SPEC 8.3).
+/// (docs/contract.md §8.3).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
-    /// Replay, wait, refuse mismatches and store trouble, as SPEC section 2 says.
+    /// Replay, wait, refuse mismatches and store trouble, as docs/contract.md §2 says.
     #[default]
     Enforce,
     /// Claim, fingerprint and record as `Enforce` does, but always forward: what enforcing
@@ -555,7 +557,7 @@ impl Idempotency {
     }
 }
 
-/// Defaults, in one place (SPEC section 4).
+/// Defaults, in one place (docs/contract.md §4).
 pub mod defaults {
     use std::time::Duration;
 
@@ -616,7 +618,13 @@ impl Config {
     /// its answer cuts such forwards at every rolling deploy, and their keys are forwarded
     /// again by the next attempt (or held).
     pub fn warnings(&self) -> Vec<String> {
-        let mut out = Vec::new();
+        let mut out: Vec<String> = self
+            .server
+            .retired
+            .iter()
+            .map(|field| format!("{field} is no longer read; remove it"))
+            .collect();
+        out.extend(shadow::partial_warnings(&self.routes));
         let record = self.store.record_bound();
         let mut seen = std::collections::BTreeSet::new();
         for route in &self.routes {
@@ -654,7 +662,7 @@ impl Config {
         out
     }
 
-    /// The first route in file order that matches (SPEC section 2, step 1).
+    /// The first route in file order that matches (docs/contract.md §2.1).
     pub fn route_for(&self, method: &Method, path: &str) -> Option<&Route> {
         self.route_index_for(method, path).map(|i| &self.routes[i])
     }
@@ -860,14 +868,13 @@ routes:
     }
 
     #[test]
-    fn yield_on_wake_is_on_unless_turned_off() {
-        assert!(Config::from_yaml(MINIMAL).unwrap().server.yield_on_wake);
+    fn yield_on_wake_is_accepted_and_no_longer_read() {
+        let retired = "server.yield_on_wake is no longer read; remove it";
+        let plain = Config::from_yaml(MINIMAL).unwrap().warnings();
+        assert!(!plain.iter().any(|w| w == retired), "{plain:?}");
         let yaml = format!("server: {{ yield_on_wake: false }}\n{MINIMAL}");
-        assert!(!Config::from_yaml(&yaml).unwrap().server.yield_on_wake);
-        let e = err(&format!(
-            "server: {{ yield_on_wake: sometimes }}\n{MINIMAL}"
-        ));
-        assert!(e.starts_with("server.yield_on_wake: "), "{e}");
+        let warned = Config::from_yaml(&yaml).unwrap().warnings();
+        assert!(warned.iter().any(|w| w == retired), "{warned:?}");
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub(super) struct RawConfig {
     /// at its own default.
     #[serde(default)]
     pub(super) server: RawServer,
+    /// `extra_methods`: methods outside the standard set (GET, HEAD, POST, PUT, DELETE,
+    /// OPTIONS, TRACE, PATCH) that routes may name, e.g. `[PURGE, PROPFIND]`. Default none:
+    /// any other name in a route is refused as a misspelling.
+    pub(super) extra_methods: Option<Vec<String>>,
     /// `store`: where keys live, `postgres` or `sqlite`, and `gc`. Required.
     pub(super) store: RawStore,
     /// `upstreams`: the services requests are forwarded to, by name. Required.
@@ -102,9 +106,9 @@ pub(super) struct RawServer {
     /// each thread runs its own event loop and accepts its own connections) or
     /// `work_stealing` (one tokio runtime whose threads take tasks from each other).
     pub(super) runtime: Option<crate::config::RuntimeLayout>,
-    /// `server.yield_on_wake`: with `thread_per_core`, a serving thread woken while nothing
-    /// the gateway waits for is in flight first lets the task it woke beside run
-    /// (`wake.rs`). Default `true`.
+    /// `server.yield_on_wake`: no longer read (a woken serving thread used to yield its core
+    /// once; it paid only when the load generator shared the gateway's cores). Accepted, with
+    /// a warning, so that a config that sets it still loads.
     pub(super) yield_on_wake: Option<bool>,
     /// `server.tls`: HTTPS on the listener (HTTP/1.1 and h2 by ALPN). Default: none, plain
     /// HTTP (and h2c).

@@ -33,7 +33,8 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     let server = validate_server(raw.server)?;
     let (store, gc) = validate_store(raw.store)?;
     let upstreams = validate_upstreams(raw.upstreams)?;
-    let routes = validate_routes(raw.routes, &upstreams, &store, &server)?;
+    let extra = validate_extra_methods(raw.extra_methods.unwrap_or_default())?;
+    let routes = validate_routes(raw.routes, &upstreams, &store, &server, &extra)?;
     let replay_cache_bytes = validate_replay_cache(raw.replay_cache.as_ref())?;
     let log_format = validate_log(raw.log);
     Ok(Config {
@@ -149,7 +150,11 @@ fn validate_server(raw: RawServer) -> Result<ServerConfig, ConfigError> {
             Some(n) => n,
         },
         runtime: raw.runtime.unwrap_or_default(),
-        yield_on_wake: raw.yield_on_wake.unwrap_or(true),
+        retired: if raw.yield_on_wake.is_some() {
+            vec!["server.yield_on_wake"]
+        } else {
+            Vec::new()
+        },
         tls,
     };
     if server.max_buffered_bytes == 0 {
@@ -213,9 +218,9 @@ fn validate_sqlite(sq: RawSqlite) -> Result<SqliteConfig, ConfigError> {
 }
 
 /// `store.postgres`. The URLs are never echoed in an error: they may hold a password.
-fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
-    let (tls_mode, tls_ca) = match &pg.tls {
-        None => (PgTlsMode::Disable, None),
+fn validate_postgres(mut pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
+    let configured = match &pg.tls {
+        None => None,
         Some(tls) => {
             let mode = PgTlsMode::ALL
                 .into_iter()
@@ -230,21 +235,37 @@ fn validate_postgres(pg: RawPostgres) -> Result<PostgresConfig, ConfigError> {
                         ),
                     )
                 })?;
-            let ca = tls.ca.as_ref().map(std::path::PathBuf::from);
-            if let Some(ca) = &ca {
-                if mode != PgTlsMode::VerifyFull {
-                    return Err(invalid(
-                        "store.postgres.tls.ca",
-                        "only 'verify-full' checks certificates against a CA",
-                    ));
-                }
-                crate::tls::roots(Some(ca)).map_err(|m| invalid("store.postgres.tls.ca", m))?;
-            } else if mode == PgTlsMode::VerifyFull {
-                crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
-            }
-            (mode, ca)
+            Some((mode, tls.ca.clone()))
         }
     };
+    // `sslmode` and `sslrootcert` in the URLs mean what they say (super::pg_url).
+    let url = super::pg_url::split(&pg.url).map_err(|m| invalid("store.postgres.url", m))?;
+    let (tls_mode, ca) = super::pg_url::resolve(configured.clone(), &url, "store.postgres.url")
+        .map_err(|m| invalid("store.postgres.url", m))?;
+    pg.url = url.rest;
+    if let Some(listen) = &pg.listen_url {
+        let split =
+            super::pg_url::split(listen).map_err(|m| invalid("store.postgres.listen_url", m))?;
+        super::pg_url::resolve(
+            Some((tls_mode, ca.clone())),
+            &split,
+            "store.postgres.listen_url",
+        )
+        .map_err(|m| invalid("store.postgres.listen_url", m))?;
+        pg.listen_url = Some(split.rest);
+    }
+    let tls_ca = ca.map(std::path::PathBuf::from);
+    if let Some(ca) = &tls_ca {
+        if tls_mode != PgTlsMode::VerifyFull {
+            return Err(invalid(
+                "store.postgres.tls.ca",
+                "only 'verify-full' checks certificates against a CA",
+            ));
+        }
+        crate::tls::roots(Some(ca)).map_err(|m| invalid("store.postgres.tls.ca", m))?;
+    } else if tls_mode == PgTlsMode::VerifyFull {
+        crate::tls::roots(None).map_err(|m| invalid("store.postgres.tls.ca", m))?;
+    }
     if pg.url.parse::<tokio_postgres::Config>().is_err() {
         return Err(invalid(
             "store.postgres.url",
@@ -430,6 +451,7 @@ fn validate_routes(
     upstreams: &BTreeMap<String, UpstreamConfig>,
     store: &StoreConfig,
     server: &ServerConfig,
+    extra: &[Method],
 ) -> Result<Vec<Route>, ConfigError> {
     if raw.is_empty() {
         return Err(invalid("routes", "must list at least one route"));
@@ -446,10 +468,38 @@ fn validate_routes(
                 format!("route name '{}' is used twice", r.name),
             ));
         }
-        routes.push(validate_route(&base, r, upstreams, store, server)?);
+        routes.push(validate_route(&base, r, upstreams, store, server, extra)?);
+        let j = routes.len() - 1;
+        if let Some(by) = super::shadow::shadowed_by(&routes, j) {
+            return Err(invalid(
+                format!("{base}.match"),
+                super::shadow::shadowed_error(&routes, j, &by),
+            ));
+        }
     }
     Ok(routes)
 }
+
+/// `extra_methods`: each an HTTP method token outside the standard set.
+fn validate_extra_methods(list: Vec<String>) -> Result<Vec<Method>, ConfigError> {
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let path = format!("extra_methods[{i}]");
+            let method = Method::from_bytes(m.as_bytes())
+                .map_err(|_| invalid(&path, format!("'{m}' is not a method token")))?;
+            if STANDARD_METHODS.contains(&method.as_str()) || method == Method::CONNECT {
+                return Err(invalid(&path, format!("'{m}' is a standard method")));
+            }
+            Ok(method)
+        })
+        .collect()
+}
+
+/// The methods a route may name without `extra_methods` (CONNECT is never routed: 405).
+const STANDARD_METHODS: [&str; 8] = [
+    "GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "TRACE", "PATCH",
+];
 
 /// `routes[i]`: its match, its upstream, and its `idempotency`.
 fn validate_route(
@@ -458,6 +508,7 @@ fn validate_route(
     upstreams: &BTreeMap<String, UpstreamConfig>,
     store: &StoreConfig,
     server: &ServerConfig,
+    extra: &[Method],
 ) -> Result<Route, ConfigError> {
     let upstream = upstreams.get(&r.upstream).ok_or_else(|| {
         let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
@@ -488,7 +539,8 @@ fn validate_route(
                 "paths must start with '/'",
             ));
         }
-        // Requests are matched in normal form (SPEC 8.1), so the configured path is too.
+        // Requests are matched in normal form (docs/contract.md §8.1), so the configured path
+        // is too.
         let normal = crate::path::normalize(p)
             .map_err(|e| invalid(format!("{base}.match"), e.to_string()))?
             .into_owned();
@@ -502,7 +554,7 @@ fn validate_route(
     };
     let route_methods = match &r.matcher.methods {
         None => None,
-        Some(list) => Some(methods(&format!("{base}.match.methods"), list)?),
+        Some(list) => Some(methods(&format!("{base}.match.methods"), list, extra)?),
     };
     let idempotency = match r.idempotency {
         None => None,
@@ -511,8 +563,28 @@ fn validate_route(
             idem,
             upstream,
             store.record_bound(),
+            extra,
         )?),
     };
+    if let (Some(idem), Some(matched)) = (&idempotency, &route_methods)
+        && !idem.methods.iter().any(|m| matched.contains(m))
+    {
+        let names = |list: &[Method]| {
+            list.iter()
+                .map(Method::as_str)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        return Err(invalid(
+            format!("{base}.idempotency.methods"),
+            format!(
+                "[{}] shares no method with {base}.match.methods [{}]: the route could never \
+                 key a request",
+                names(&idem.methods),
+                names(matched)
+            ),
+        ));
+    }
     if let Some(idem) = &idempotency
         && idem.max_request_body > server.max_buffered_bytes
     {
@@ -555,6 +627,7 @@ fn validate_idempotency(
     raw: RawIdempotency,
     upstream: &UpstreamConfig,
     record_bound: Duration,
+    extra: &[Method],
 ) -> Result<Idempotency, ConfigError> {
     let serialize = match &raw.serialize {
         None => None,
@@ -622,7 +695,7 @@ fn validate_idempotency(
             .iter()
             .map(|m| Method::from_bytes(m.as_bytes()).expect("static method"))
             .collect(),
-        Some(list) => methods(&format!("{base}.methods"), list)?,
+        Some(list) => methods(&format!("{base}.methods"), list, extra)?,
     };
     let fp = raw.fingerprint.unwrap_or_default();
     let fingerprint = FingerprintConfig {
@@ -861,16 +934,39 @@ fn socket_addr(path: &str, s: &str) -> Result<SocketAddr, ConfigError> {
     })
 }
 
-fn methods(path: &str, list: &[String]) -> Result<Vec<Method>, ConfigError> {
+/// A list of methods: standard ones in any case, or names listed in `extra_methods`.
+fn methods(path: &str, list: &[String], extra: &[Method]) -> Result<Vec<Method>, ConfigError> {
     if list.is_empty() {
         return Err(invalid(path, "must name at least one method"));
     }
     list.iter()
         .enumerate()
         .map(|(i, m)| {
+            let at = format!("{path}[{i}]");
             let upper = m.to_ascii_uppercase();
-            Method::from_bytes(upper.as_bytes())
-                .map_err(|_| invalid(format!("{path}[{i}]"), format!("'{m}' is not a method")))
+            if upper == "CONNECT" {
+                return Err(invalid(
+                    at,
+                    "CONNECT is never routed (the gateway answers it 405)",
+                ));
+            }
+            if STANDARD_METHODS.contains(&upper.as_str()) {
+                return Ok(Method::from_bytes(upper.as_bytes()).expect("a standard method"));
+            }
+            extra
+                .iter()
+                .find(|e| e.as_str() == m)
+                .cloned()
+                .ok_or_else(|| {
+                    invalid(
+                        at,
+                        format!(
+                            "'{m}' is not a standard method ({}); list it in extra_methods \
+                             if the upstream really takes it",
+                            STANDARD_METHODS.join(", ")
+                        ),
+                    )
+                })
         })
         .collect()
 }

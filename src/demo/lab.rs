@@ -1,4 +1,4 @@
-//! The lab of LAB.md, as code: a deliberately naive "legacy ledger" upstream, and the lab's
+//! The lab of docs/lab.md, as code: a deliberately naive "legacy ledger" upstream, and the lab's
 //! checks, run against any base URL (the ledger itself, or idemgate in front of it).
 //!
 //! The ledger is the backend of the lab's first variant: `POST /webhooks/payments` appends a
@@ -7,7 +7,7 @@
 //! doubles rows on redelivery and loses updates under concurrency, exactly as the lab
 //! measured. Its state is in memory, inspected by the checks through [`Ledger`].
 //!
-//! The checks ([`run_checks`]) are LAB.md's "What this asks of idemgate", each reporting
+//! The checks ([`run_checks`]) are the lab's "What this asks of idemgate", each reporting
 //! pass / fail / not applicable and what happened in numbers. They need a [`Harness`] that
 //! can, for a gateway, crash and restart it and take its store away; for the ledger alone
 //! those checks are not applicable.
@@ -406,7 +406,7 @@ async fn storm(
     out
 }
 
-/// The checks of LAB.md, in its order. `run` makes ids unique per run; `progress` is told
+/// The checks of docs/lab.md, in its order. `run` makes ids unique per run; `progress` is told
 /// each check's name before it starts.
 pub async fn run_checks(
     h: &dyn Harness,

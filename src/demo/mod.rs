@@ -1,4 +1,5 @@
-//! `idemgate demo`: LAB.md on this machine, in one command, with nothing to set up.
+//! `idemgate demo`: the lab (docs/lab.md) on this machine, in one command, with nothing to set
+//! up.
 //!
 //! It starts two copies of the naive legacy ledger ([`lab`]) on ephemeral ports, a real
 //! gateway process (this same binary, `serve`) in front of one of them on the embedded store
@@ -256,7 +257,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool, String> {
         None => "a temporary embedded store".to_string(),
     };
     println!(
-        "idemgate demo: the lab of LAB.md, a naive legacy ledger straight and behind idemgate on {store_name}\n"
+        "idemgate demo: the lab, a naive legacy ledger straight and behind idemgate on {store_name}\n"
     );
     print!("{}", table(&direct, &through));
     let passed = through.iter().all(|r| r.passed == Some(true));

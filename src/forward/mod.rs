@@ -560,7 +560,6 @@ impl UpstreamClient {
         req: Request<Body>,
         timer: Option<&crate::timer::Spare>,
     ) -> Result<Response<Body>, UpstreamError> {
-        let _waiting = crate::wake::InFlight::start();
         match self.direct_pool(req.method()) {
             Some(pool) => pool.send(req, timer).await,
             None => Ok(self.send(req).await?.map(stream)),
@@ -576,7 +575,6 @@ impl UpstreamClient {
         {
             *req.uri_mut() = self.absolute(None, pq);
         }
-        let _waiting = crate::wake::InFlight::start();
         match tokio::time::timeout(self.config.timeout, self.client.request(req)).await {
             Err(_) => Err(UpstreamError::Timeout),
             Ok(Ok(resp)) => Ok(resp),
@@ -586,7 +584,7 @@ impl UpstreamClient {
     }
 }
 
-/// Headers only the gateway may say (SPEC 8.1): an upstream's own are dropped.
+/// Headers only the gateway may say (docs/contract.md §8.1): an upstream's own are dropped.
 const GATEWAY_ONLY: [HeaderName; 2] = [
     HeaderName::from_static("idempotent-replayed"),
     HeaderName::from_static("idempotency-status"),

@@ -1,6 +1,6 @@
 //! The Store: claim / finish / inspect / delete, whatever holds the rows.
 //!
-//! Contract for every implementation (SPEC sections 2 and 5):
+//! Contract for every implementation (docs/contract.md §2 and §5):
 //! - [`Store::claim`] is one atomic statement that inserts the row or reports what is there;
 //!   it takes over rows whose `ttl` expired and in-flight rows whose lease expired, and
 //!   compares fingerprints. Leases and expiries use the database clock.
@@ -54,7 +54,7 @@ pub enum StoreError {
     Db(String),
     #[error("stored row is corrupt: {0}")]
     Corrupt(&'static str),
-    /// The database answers but may lose what it commits (SPEC 8.4), or would fail the
+    /// The database answers but may lose what it commits (contract §8.4), or would fail the
     /// gateway's statements (a default isolation above read committed behind a pooler): a
     /// configuration error, not an outage. The text names the setting that fixes it.
     #[error("{0}")]
@@ -166,7 +166,7 @@ impl RowState {
 }
 
 /// An existing key's row as a claim reads it back, whichever store: what decides the
-/// answer to a request that found its key already there (SPEC section 2, step 4).
+/// answer to a request that found its key already there (docs/contract.md §2.4).
 pub(crate) struct ExistingRow<'a> {
     pub state: &'a str,
     pub fingerprint: &'a [u8],
@@ -279,7 +279,7 @@ pub struct KeyInfo {
     pub fingerprint_hex: String,
 }
 
-/// What an operator's delete did (SPEC 8.2).
+/// What an operator's delete did (docs/contract.md §8.2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Deleted {
     /// The row is gone. `live_lease`: it was in flight under a live lease (a forced delete:

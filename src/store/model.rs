@@ -31,7 +31,7 @@
 //! | `ClaimFails { applied }` | a store error on the claim: 503 `store-unavailable`, nothing forwarded; `applied`: the statement committed but its answer was lost. |
 //! | `Upstream { Answers }` | `ForwardJob::forward`: `upstream.send_streamed`, body read whole (`Captured::Whole`). |
 //! | `Upstream { TimesOutAfterWork / TimesOutBeforeWork }` | `ForwardJob::forward`: `UpstreamError::Timeout`, 504, counted `upstream_timeout`; the upstream did the work or not. |
-//! | `Finish` (answered) | `ForwardJob::record` → `ForwardJob::finish` → `Store::finish(Outcome::Completed)`: FINISH_SQL, fenced by `lease_token` and `state = 'in_flight'`. `Ok(false)`: counted `lost`, and the client still gets the upstream's answer (SPEC 2.6). |
+//! | `Finish` (answered) | `ForwardJob::record` → `ForwardJob::finish` → `Store::finish(Outcome::Completed)`: FINISH_SQL, fenced by `lease_token` and `state = 'in_flight'`. `Ok(false)`: counted `lost`, and the client still gets the upstream's answer (docs/contract.md §2.6). |
 //! | `Finish` (unknown) | `Store::finish(Outcome::Release)`: RELEASE_SQL (`reforward`), or `Outcome::Unknown`: FINISH_SQL with `'unknown'` (`hold`); both fenced. |
 //! | `FinishFails { applied }` | a store error on that write. After an answer, `ForwardJob::record` tries again (`Finish`) or gives up (`GiveUp`: 503 `store-unavailable`); a failed release or hold is logged and left to the lease. |
 //! | `Crash { work_done }` | the instance dies; `work_done`: the upstream executed what it had been sent. |
@@ -55,9 +55,9 @@
 //!   row an operator deleted by force (counted `force_deleted`).
 //! - [`ONE_ANSWER`]: every 2xx a client gets names an upstream execution (the model builds
 //!   answers only from executions), and in one life they all name the same one: a replay
-//!   names what the first answer named. The exception is SPEC 2.6's: an attempt whose
-//!   lease was taken over before it could record still answers with what its upstream said
-//!   (counted `lost`, after a counted `taken_over`).
+//!   names what the first answer named. The exception is the one contract §2.6 makes: an
+//!   attempt whose lease was taken over before it could record still answers with what its
+//!   upstream said (counted `lost`, after a counted `taken_over`).
 //! - [`COMPLETED_HOLDS_RESPONSE`]: a completed row holds its response.
 //! - [`FENCED_WRITE_CHANGES_NOTHING`]: a row's response is always the answer to the attempt
 //!   that claimed that row: a write by an attempt that lost its lease changes nothing.
@@ -67,7 +67,7 @@
 //!
 //! The two exceptions are needed: without them (`literal`), the checker finds a lease-lost
 //! answer that no retry will get, and a timeout released under `reforward` whose retry
-//! executes again without a takeover. Both are the design (SPEC section 2), and counted.
+//! executes again without a takeover. Both are the design (contract §2), and counted.
 //!
 //! A coverage check reaches, in the same bounds, a replay, a takeover, a second execution in
 //! one life, a fenced write that finds its lease lost, an answer by such an attempt, a held
@@ -358,8 +358,8 @@ impl State {
     }
 
     /// A client gets a 2xx naming `exec`. `excused`: the attempt answering lost its lease to
-    /// a takeover before it could record (SPEC 2.6: it still answers with what the upstream
-    /// said; the takeover was counted).
+    /// a takeover before it could record (docs/contract.md §2.6: it still answers with what
+    /// the upstream said; the takeover was counted).
     fn answer(&mut self, life: LifeId, exec: Exec, excused: bool) {
         if excused {
             self.seen |= seen::LEASE_LOST_ANSWER;
@@ -535,7 +535,7 @@ struct Protocol {
     bug: Option<Bug>,
     /// Check reachability (the `sometimes` properties) instead of the invariants.
     coverage: bool,
-    /// Hold the protocol to the README's words without the two exceptions SPEC section 2
+    /// Hold the protocol to the README's words without the two exceptions docs/contract.md §2
     /// makes: an attempt that lost its lease still answers with what the upstream said, and an
     /// unknown outcome is released under `reforward`.
     literal: bool,
@@ -1187,8 +1187,9 @@ mod tests {
     }
 
     /// Guarantee 3 in so many words ("no client ever holds an answer that a retry would not
-    /// get again") does not hold when a lease is taken over: SPEC 2.6 has the first attempt
-    /// answer with what its upstream said, while the store keeps its successor's answer.
+    /// get again") does not hold when a lease is taken over: docs/contract.md §2.6 has the
+    /// first attempt answer with what its upstream said, while the store keeps its
+    /// successor's answer.
     #[test]
     fn an_attempt_that_lost_its_lease_answers_what_a_retry_will_not_get() {
         let literal = Protocol {
@@ -1199,8 +1200,8 @@ mod tests {
     }
 
     /// "Doubles only after a takeover" in so many words does not hold: under `reforward`, a
-    /// timed-out attempt releases the key (SPEC 2.6) and the next try executes again with no
-    /// takeover; what counts it is the 504 `upstream_timeout`.
+    /// timed-out attempt releases the key (docs/contract.md §2.6) and the next try executes
+    /// again with no takeover; what counts it is the 504 `upstream_timeout`.
     #[test]
     fn a_released_unknown_outcome_executes_again_without_a_takeover() {
         let literal = Protocol {

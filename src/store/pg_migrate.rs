@@ -143,6 +143,18 @@ fn db_error(e: tokio_postgres::Error) -> StoreError {
 /// taken within [`LOCK_TIMEOUT`] rolls it back and it is tried again after a pause.
 /// Returns how many were applied.
 pub(super) async fn apply(client: &mut Client, last: i32) -> Result<usize, StoreError> {
+    // Nothing pending: no DDL at all, so a runtime role without CREATE serves a schema that
+    // an owner migrated (`CREATE TABLE IF NOT EXISTS` needs the privilege even when the
+    // table exists).
+    let wanted = MIGRATIONS
+        .iter()
+        .map(|m| m.0)
+        .filter(|v| *v <= last)
+        .max()
+        .unwrap_or(0);
+    if applied_version(client).await.map_err(db_error)? >= wanted {
+        return Ok(0);
+    }
     let mut pause = Duration::from_millis(200);
     for attempt in 1..=LOCK_TRIES {
         match apply_once(client, last).await {
@@ -163,11 +175,40 @@ pub(super) async fn apply(client: &mut Client, last: i32) -> Result<usize, Store
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(Duration::from_secs(5));
             }
+            Err(e) if e.code() == Some(&SqlState::INSUFFICIENT_PRIVILEGE) => {
+                let role: String = client
+                    .query_one("SELECT current_user::text", &[])
+                    .await
+                    .map(|r| r.get(0))
+                    .unwrap_or_else(|_| "this role".into());
+                return Err(StoreError::Db(format!(
+                    "migrations are pending and the role {role} may not apply them ({}): run \
+                     `idemgate migrate` once with a role that owns the schema (CREATE on it, \
+                     and owner of the idemgate tables), then serve with this one",
+                    crate::forward::error_chain(&e)
+                )));
+            }
             Err(e) => return Err(db_error(e)),
             Ok(n) => return Ok(n),
         }
     }
     unreachable!("the last try returns")
+}
+
+/// The highest migration applied (0 before the first).
+async fn applied_version(client: &Client) -> Result<i32, tokio_postgres::Error> {
+    let exists: bool = client
+        .query_typed("SELECT to_regclass('idemgate_migrations') IS NOT NULL", &[])
+        .await?[0]
+        .get(0);
+    if !exists {
+        return Ok(0);
+    }
+    let v: Option<i32> = client
+        .query_typed("SELECT max(version) FROM idemgate_migrations", &[])
+        .await?[0]
+        .get(0);
+    Ok(v.unwrap_or(0))
 }
 
 async fn apply_once(client: &mut Client, last: i32) -> Result<usize, tokio_postgres::Error> {

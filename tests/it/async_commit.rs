@@ -1,5 +1,5 @@
-//! SPEC 8.4: a database whose `synchronous_commit` is `off` can lose a commit that a client
-//! was already answered from (guarantee 3). `serve` refuses it, and `/readyz` fails, unless
+//! docs/contract.md §8.4: a database whose `synchronous_commit` is `off` can lose a commit
+//! that a client was already answered from (guarantee 3). `serve` refuses it, and `/readyz` fails, unless
 //! `store.postgres.allow_async_commit: true`.
 
 use std::process::{Command, Stdio};

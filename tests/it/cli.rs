@@ -264,3 +264,137 @@ async fn migrate_applies_the_migrations_once_and_fails_cleanly_without_a_databas
     );
     assert!(!stdout.contains("applied"), "{stdout}");
 }
+
+/// Runs `idemgate check` on `yaml`; its exit code and everything it wrote.
+fn check_text(name: &str, yaml: &str) -> (Option<i32>, String) {
+    let dir = std::env::temp_dir().join(format!("idemgate-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("config.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let out = idemgate()
+        .args(["check", "--config"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+/// A config with `routes` (YAML) on the embedded store and one upstream.
+fn with_routes(routes: &str) -> String {
+    format!(
+        "store: {{ sqlite: {{ path: /tmp/idemgate-unused.db }} }}\n\
+         upstreams: {{ app: {{ url: \"http://127.0.0.1:9\", timeout: 20s }} }}\n\
+         routes:\n{routes}"
+    )
+}
+
+const KEYED: &str = "  - name: payments\n    match: { path_prefix: /payments, methods: [POST] }\n    upstream: app\n    idempotency: { key: [ { header: Idempotency-Key } ] }\n";
+
+/// Configs that leave a keyed route unable to key anything exit 64 naming the routes or the
+/// field: a catch-all above it, methods that never meet, a misspelled method. A route that
+/// takes only part of a keyed route's paths is a warning naming the path.
+#[test]
+fn a_keyed_route_that_can_never_key_a_request_is_refused() {
+    let catch_all = "  - name: everything\n    match: { path_prefix: / }\n    upstream: app\n";
+    let (code, text) = check_text("shadowed", &with_routes(&format!("{catch_all}{KEYED}")));
+    assert_eq!(code, Some(64), "{text}");
+    assert!(
+        text.contains("routes[1].match")
+            && text.contains("'payments'")
+            && text.contains("'everything'"),
+        "{text}"
+    );
+    // Two earlier routes that together take every method of it.
+    let split = "  - name: posts\n    match: { path_prefix: /, methods: [POST] }\n    upstream: app\n  - name: patches\n    match: { path_prefix: /payments, methods: [PATCH] }\n    upstream: app\n";
+    let both = KEYED.replace("methods: [POST]", "methods: [POST, PATCH]");
+    let (code, text) = check_text("split", &with_routes(&format!("{split}{both}")));
+    assert_eq!(code, Some(64), "{text}");
+    assert!(
+        text.contains("'posts'") && text.contains("'patches'"),
+        "{text}"
+    );
+
+    let never = KEYED.replace("idempotency: {", "idempotency: { methods: [PUT],");
+    let (code, text) = check_text("methods", &with_routes(&never));
+    assert_eq!(code, Some(64), "{text}");
+    assert!(
+        text.contains("routes[0].idempotency.methods") && text.contains("shares no method"),
+        "{text}"
+    );
+
+    let typo = KEYED.replace("methods: [POST]", "methods: [PSOT]");
+    let (code, text) = check_text("typo", &with_routes(&typo));
+    assert_eq!(code, Some(64), "{text}");
+    assert!(
+        text.contains("routes[0].match.methods[0]")
+            && text.contains("'PSOT' is not a standard method"),
+        "{text}"
+    );
+    let listed = format!(
+        "extra_methods: [PSOT]\n{}",
+        with_routes(&KEYED.replace("methods: [POST]", "methods: [PSOT, POST]"))
+    );
+    let (code, text) = check_text("listed", &listed);
+    assert_eq!(code, Some(0), "{text}");
+
+    let part =
+        "  - name: refunds\n    match: { path_prefix: /payments/refunds }\n    upstream: app\n";
+    let (code, text) = check_text("partial", &with_routes(&format!("{part}{KEYED}")));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(
+        text.contains("warning")
+            && text.contains("/payments/refunds")
+            && text.contains("'payments'"),
+        "{text}"
+    );
+    // The same routes in the right order: clean.
+    let (code, text) = check_text("ordered", &with_routes(&format!("{KEYED}{catch_all}")));
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("warning"), "{text}");
+}
+
+/// A connection string's `sslmode` means what it says: `require` against a server without
+/// TLS fails (it never falls back to plaintext), and a `tls` block that contradicts it is
+/// refused naming both.
+#[tokio::test]
+async fn a_urls_sslmode_is_honoured_and_a_contradicting_tls_block_refused() {
+    use std::time::Duration;
+    let db = crate::support::pg::fresh_database().await;
+    let yaml =
+        crate::support::config_yaml(&format!("{db}?sslmode=require"), "http://127.0.0.1:9", "");
+    let (code, stdout, stderr) =
+        run_with_config(&["migrate"], &yaml, Duration::from_secs(30)).await;
+    assert_ne!(code, Some(0), "migrated in plaintext: {stdout}\n{stderr}");
+    assert!(
+        stderr.to_lowercase().contains("tls") || stderr.contains("ssl"),
+        "{stderr}"
+    );
+    let conn = crate::support::sql(&db).await;
+    let migrated: bool = conn
+        .query_one("SELECT to_regclass('idemgate_keys') IS NOT NULL", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!migrated, "nothing was written over plaintext");
+
+    let contradicting = yaml.replace(
+        "statement_timeout: 1s }",
+        "statement_timeout: 1s, tls: { mode: disable } }",
+    );
+    assert_ne!(contradicting, yaml, "the tls block was added");
+    let (code, text) = check_text("sslmode", &contradicting);
+    assert_eq!(code, Some(64), "{text}");
+    assert!(
+        text.contains("store.postgres.url")
+            && text.contains("sslmode=require contradicts store.postgres.tls.mode: disable"),
+        "{text}"
+    );
+}

@@ -1,8 +1,9 @@
 //! The conformance suite: one test body, every store. Every test here runs against
 //! PostgreSQL (`postgres::*`), the embedded SQLite store (`sqlite::*`), PostgreSQL through
 //! PgBouncer in transaction mode with the wake-up listener on a direct session
-//! (`pgbouncer::*`, SPEC 8.4), and PostgreSQL with the keys table hash-partitioned by scope
-//! (`partitioned::*`, SPEC 5), so none can drift from SPEC sections 2-3.
+//! (`pgbouncer::*`, docs/contract.md §8.4), and PostgreSQL with the keys table
+//! hash-partitioned by scope (`partitioned::*`, contract §5), so none can drift from
+//! contract §2-§3.
 
 use std::time::Duration;
 
@@ -704,7 +705,8 @@ async fn expired_rows_are_collected_and_live_ones_kept(b: Backend) {
     assert!(gw.store.inspect("s", "live").await.unwrap().is_some());
 }
 
-/// A completion writes status, headers and the whole body in one write (SPEC 2.7).
+/// A completion writes status, headers and the whole body in one write
+/// (docs/contract.md §2.7).
 async fn a_large_response_is_stored_whole(b: Backend) {
     let up = Upstream::start().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;

@@ -1,4 +1,4 @@
-//! The request flow of SPEC section 2 through a real gateway, Postgres and upstream.
+//! The request flow of docs/contract.md §2 through a real gateway, Postgres and upstream.
 
 use std::time::Duration;
 

@@ -8,7 +8,7 @@ use crate::support::*;
 
 // The guarantees whose bound is the statement timeout run on PostgreSQL directly and through
 // PgBouncer in transaction mode, where no server-side timeout is set at connection start and
-// the client cancels a statement that outlives its bound (SPEC 8.4).
+// the client cancels a statement that outlives its bound (docs/contract.md §8.4).
 backend_tests!(
     postgres: Postgres, pgbouncer: Pgbouncer;
     [
@@ -170,7 +170,7 @@ async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
     assert_eq!(up.executions(), 2, "forgotten after ttl: a new request");
 }
 
-/// The held case of `ttl` (SPEC section 2, step 6): under `on_unknown_outcome: hold`, an
+/// The held case of `ttl` (docs/contract.md §2.6): under `on_unknown_outcome: hold`, an
 /// upstream that outlives its timeout leaves the key `unknown`; every retry gets 502
 /// `outcome-unknown` and nothing is forwarded until `ttl` passes; then a retry is forwarded.
 #[tokio::test]

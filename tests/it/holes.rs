@@ -1,4 +1,4 @@
-//! The holes of SPEC section 8.1 and 8.2: no way around a keyed route (path spellings,
+//! The holes of docs/contract.md §8.1 and §8.2: no way around a keyed route (path spellings,
 //! ambiguity, scope namespaces, the gateway's own headers) and no way to exhaust it
 //! (admission bounds), through the same gateway wiring as `serve`.
 

@@ -2,8 +2,8 @@
 //! instances through LISTEN/NOTIFY, local waiters share lookups, and polling takes over when
 //! notifications stop. Every test runs twice: on PostgreSQL directly (`postgres::*`), and
 //! through PgBouncer in transaction mode with the listener on a direct session
-//! (`pgbouncer::*`, SPEC 8.4), where every announcement is sent through the pooler and heard
-//! on `listen_url`.
+//! (`pgbouncer::*`, docs/contract.md §8.4), where every announcement is sent through the
+//! pooler and heard on `listen_url`.
 //!
 //! The fleet tests run three real gateway processes on one database: a 300-way duplicate
 //! storm, the lab's 30 events of one account split across them (`serialize`), and a rolling
@@ -264,9 +264,9 @@ async fn three_hundred_duplicates_across_three_gateway_processes_execute_once(b:
     assert_eq!(up.executions(), 1, "one execution across three processes");
 }
 
-/// LAB.md's "30 events, one account" against the read-then-write ledger, the 30 deliveries
-/// split across three processes: `serialize` (one forward per account at a time, across
-/// instances) leaves 30 rows and no lost update.
+/// The lab's "30 events, one account" (docs/lab.md) against the read-then-write ledger, the
+/// 30 deliveries split across three processes: `serialize` (one forward per account at a
+/// time, across instances) leaves 30 rows and no lost update.
 async fn thirty_events_of_one_account_split_across_three_processes_lose_no_update(b: Backend) {
     use idemgate::lab::{self, AMOUNT, LabClient, Ledger};
     let ledger = Ledger::new(Duration::from_millis(10));

@@ -1,7 +1,7 @@
-//! LAB.md as a test: the naive legacy ledger, straight and behind idemgate (a real gateway
-//! process on a real Postgres), through every check the lab lists. Straight, the ledger must
-//! fail the checks it failed in the lab (proving the checks can fail); through idemgate,
-//! every check passes.
+//! The lab (docs/lab.md) as a test: the naive legacy ledger, straight and behind idemgate (a
+//! real gateway process on a real Postgres), through every check the lab lists. Straight, the
+//! ledger must fail the checks it failed in the lab (proving the checks can fail); through
+//! idemgate, every check passes.
 
 use std::time::Duration;
 
@@ -128,8 +128,8 @@ async fn the_labs_checks_fail_straight_and_pass_through_idemgate() {
 }
 
 /// The same checks with PgBouncer in transaction mode between the gateway and PostgreSQL
-/// (SPEC 8.4), the wake-up listener on a direct session; "store down" stops PostgreSQL
-/// behind the pooler, which keeps accepting.
+/// (docs/contract.md §8.4), the wake-up listener on a direct session; "store down" stops
+/// PostgreSQL behind the pooler, which keeps accepting.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_labs_checks_pass_through_idemgate_behind_pgbouncer() {
     for r in through_idemgate(true).await {
@@ -137,7 +137,7 @@ async fn the_labs_checks_pass_through_idemgate_behind_pgbouncer() {
     }
 }
 
-/// Every check of LAB.md through a real gateway process on a private cluster (directly, or
+/// Every check of docs/lab.md through a real gateway process on a private cluster (directly, or
 /// behind a private PgBouncer).
 async fn through_idemgate(pooled: bool) -> Vec<CheckResult> {
     let progress = |_: &str| {};

@@ -249,3 +249,83 @@ async fn a_migration_blocked_by_a_long_transaction_says_why_and_holds_no_claim()
         201
     );
 }
+
+/// A runtime role without CREATE (PostgreSQL 15's default on `public`): on a schema an
+/// owner migrated it serves; with migrations pending it says once, at error level, which
+/// role cannot apply them and that `idemgate migrate` must run with an owner role, and the
+/// gateway becomes ready once that is done.
+#[tokio::test]
+async fn a_runtime_role_without_create_serves_a_migrated_schema_and_says_once_what_is_missing() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let admin = sql(&db).await;
+    let name = db.rsplit('/').next().expect("a database name").to_string();
+    let role = format!("rt_{name}");
+    admin
+        .batch_execute(&format!(
+            "CREATE ROLE {role} LOGIN; REVOKE CREATE ON SCHEMA public FROM PUBLIC;"
+        ))
+        .await
+        .unwrap();
+    let runtime = db.replacen("postgres://postgres@", &format!("postgres://{role}@"), 1);
+    assert_ne!(runtime, db, "the runtime role's URL");
+    let yaml = format!(
+        "{}admin: {{ listen: 127.0.0.1:0 }}\n",
+        config_yaml(&runtime, &up.url(), "")
+    );
+    let gw = GatewayProcess::start(&yaml).await;
+    let readyz = format!("http://{}/readyz", gw.admin.expect("an admin listener"));
+    let c = client();
+    wait_until(
+        "the missing privilege is named",
+        Duration::from_secs(30),
+        || async { gw.log_text().contains("idemgate migrate") },
+    )
+    .await;
+    // Several retries later (100 ms doubling), still said once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let log = gw.log_text();
+    let tries = log.lines().filter(|l| l.contains("the migrations failed")).count();
+    let said: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("the migrations failed") && l.contains("ERROR"))
+        .collect();
+    assert_eq!(said.len(), 1, "said at error level once: {log}");
+    assert!(tries > 1, "and tried again meanwhile: {log}");
+    assert!(
+        said[0].contains(&role),
+        "{}",
+        said[0]
+    );
+    assert_eq!(
+        send(&c, http::Method::GET, &readyz, &[], "").await.status,
+        503
+    );
+
+    // The owner migrates and grants the runtime role its rows.
+    let owner = store_for(&db);
+    owner.migrate().await.expect("the owner migrates");
+    owner
+        .migrate_online()
+        .await
+        .expect("the owner's online part");
+    admin
+        .batch_execute(&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public TO {role}"
+        ))
+        .await
+        .unwrap();
+    wait_until("ready", Duration::from_secs(30), || async {
+        send(&c, http::Method::GET, &readyz, &[], "").await.status == 200
+    })
+    .await;
+    assert_eq!(
+        post_to(&c, &gw.url("/pay"), "a", "k", "{}").await.status,
+        201
+    );
+    assert!(
+        post_to(&c, &gw.url("/pay"), "a", "k", "{}")
+            .await
+            .replayed()
+    );
+}

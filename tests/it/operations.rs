@@ -518,3 +518,171 @@ async fn the_periodic_gc_collects_expired_keys_by_itself() {
     .await;
     gw.shutdown().await;
 }
+
+/// A database that streams to a standby that is not synchronous (a failover to it can lose
+/// commits a client was answered from): `serve` warns at start and the gauge counts it.
+#[tokio::test]
+async fn async_standbys_are_reported_at_start_and_as_a_gauge() {
+    let cluster = pg::Cluster::start_async().await;
+    let _standby = cluster.stream_wal();
+    let db = cluster.new_database().await;
+    let admin = sql(&db).await;
+    wait_until("the standby streams", Duration::from_secs(30), || async {
+        admin
+            .query_one("SELECT count(*) FROM pg_stat_replication", &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 1
+    })
+    .await;
+    let up = Upstream::start().await;
+    let yaml = format!(
+        "{}admin: {{ listen: 127.0.0.1:0 }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let gw = GatewayProcess::start(&yaml).await;
+    let metrics = format!("http://{}/metrics", gw.admin.expect("an admin listener"));
+    let c = client();
+    wait_until(
+        "the gauge counts the standby",
+        Duration::from_secs(30),
+        || async {
+            let text = send(&c, Method::GET, &metrics, &[], "").await.body;
+            metric(
+                &String::from_utf8_lossy(&text),
+                "idemgate_store_async_standbys ",
+            ) == 1.0
+        },
+    )
+    .await;
+    let log = gw.log_text();
+    assert!(
+        log.contains("WARN") && log.contains("standbys that are not synchronous"),
+        "{log}"
+    );
+}
+
+/// Logs never carry raw keys, scopes or bodies, at any level: at `trace` (and with the
+/// PostgreSQL driver asked for `trace` by name), a keyed request, its replay and a mismatch
+/// leave none of them in the log.
+#[tokio::test]
+async fn no_key_scope_or_body_reaches_the_log_even_at_trace() {
+    let up = Upstream::start_with(Behavior {
+        body: Some(bytes::Bytes::from_static(b"answer-body-7f3a")),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let gw = GatewayProcess::start_with_env(
+        &config_yaml(&db, &up.url(), ""),
+        &[(
+            "RUST_LOG",
+            "trace,tokio_postgres=trace,tokio_postgres::query=trace",
+        )],
+    )
+    .await;
+    let c = client();
+    let url = gw.url("/pay");
+    let first = post_to(
+        &c,
+        &url,
+        "scope-value-7f3a",
+        "key-value-7f3a",
+        "request-body-7f3a",
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let retry = post_to(
+        &c,
+        &url,
+        "scope-value-7f3a",
+        "key-value-7f3a",
+        "request-body-7f3a",
+    )
+    .await;
+    assert!(retry.replayed());
+    let other = post_to(
+        &c,
+        &url,
+        "scope-value-7f3a",
+        "key-value-7f3a",
+        "another-body-7f3a",
+    )
+    .await;
+    assert_eq!(other.status, 422);
+    wait_until(
+        "the access lines are written",
+        Duration::from_secs(10),
+        || async {
+            gw.log_text().matches("status=").count() >= 3
+                || gw.log_text().matches("\"status\"").count() >= 3
+        },
+    )
+    .await;
+    let log = gw.log_text();
+    assert!(
+        log.contains("TRACE") || log.contains("DEBUG"),
+        "the log is at trace"
+    );
+    for secret in [
+        "scope-value-7f3a",
+        "key-value-7f3a",
+        "request-body-7f3a",
+        "another-body-7f3a",
+        "answer-body-7f3a",
+    ] {
+        assert!(!log.contains(secret), "{secret} is in the log");
+    }
+}
+
+/// A change that needs a restart is reported against what runs: a second SIGHUP with the
+/// file unchanged reports it again, and the running value stays in force meanwhile (a body
+/// read timeout changed in the file does not apply until the restart).
+#[tokio::test]
+async fn a_pending_restart_is_reported_against_what_runs_and_nothing_of_it_applies() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "");
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let changed = yaml.patch(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s, body_read_timeout: 1ms }",
+    );
+    std::fs::write(&gw.config, &changed).unwrap();
+    for n in 1..=2 {
+        gw.hangup();
+        wait_until("the reload is logged", Duration::from_secs(10), || async {
+            gw.log_text()
+                .matches("these changes apply after a restart")
+                .count()
+                >= n
+        })
+        .await;
+    }
+    let log = gw.log_text();
+    let pending: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("these changes apply after a restart"))
+        .collect();
+    assert_eq!(pending.len(), 2, "{log}");
+    assert!(pending.iter().all(|l| l.contains("server")), "{pending:?}");
+    // A body sent 100 ms after its head: under a 1 ms read timeout it would be refused.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    conn.write_all(
+        b"POST /pay HTTP/1.1\r\nhost: x\r\nidempotency-key: slow-body\r\nx-account-id: a\r\ncontent-length: 1\r\nconnection: close\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    conn.write_all(b"x").await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 201"),
+        "the running body_read_timeout stays in force: {answer}"
+    );
+    gw.kill();
+}

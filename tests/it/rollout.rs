@@ -1,6 +1,6 @@
-//! Rollout and shutdown (SPEC 8.3), on the real binary: `mode: observe` forwards everything,
-//! records first attempts as `enforce` would and counts what enforcing would have done; a
-//! switch to `enforce` replays what observe recorded. On SIGTERM or SIGINT,
+//! Rollout and shutdown (docs/contract.md §8.3), on the real binary: `mode: observe` forwards
+//! everything, records first attempts as `enforce` would and counts what enforcing would have
+//! done; a switch to `enforce` replays what observe recorded. On SIGTERM or SIGINT,
 //! `server.drain_delay` fails `/readyz` at once and keeps serving new connections until the
 //! delay ends; a request in flight then still gets `shutdown_grace` and is recorded;
 //! `/readyz` stays 200 through a store outage once the store has been ready.

@@ -1,5 +1,5 @@
-//! Every row of SPEC section 3's table, as a client sees it, with the upstream's execution
-//! count and the key's state where they matter.
+//! Every row of the status table in docs/contract.md §3, as a client sees it, with the
+//! upstream's execution count and the key's state where they matter.
 
 use http::Method;
 

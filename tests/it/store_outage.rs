@@ -1,5 +1,6 @@
 //! Store trouble: nothing keyed is forwarded (unless `pass_through`), and every request is
-//! answered within `acquire_timeout` + `statement_timeout` + a margin (SPEC guarantee 5).
+//! answered within `acquire_timeout` + `statement_timeout` + a margin (docs/contract.md §7,
+//! guarantee 5).
 //! The elapsed-time checks below are hang checks against the configured bounds (an unbounded
 //! pool waits forever), not speed claims.
 
@@ -12,7 +13,7 @@ use crate::support::*;
 /// acquire 500ms + statement 1s (the test config) + a generous margin for a loaded machine.
 const BOUND: Duration = Duration::from_millis(500 + 1000 + 2500);
 
-// Each runs on PostgreSQL directly and through PgBouncer in transaction mode (SPEC 8.4),
+// Each runs on PostgreSQL directly and through PgBouncer in transaction mode (contract §8.4),
 // where the pooler stays up while PostgreSQL is down: clients connect, and their statements
 // wait in the pooler or fail there, never past the gateway's own bounds.
 backend_tests!(

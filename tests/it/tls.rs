@@ -250,3 +250,64 @@ fn no_trusted_roots_at_all_is_a_config_error_naming_the_field() {
         "{stderr}"
     );
 }
+
+/// A certificate rotated on disk and announced with SIGHUP is served to new connections
+/// (open ones keep theirs); clients that trust only the old one are then refused.
+#[tokio::test]
+async fn the_listeners_certificate_is_read_again_on_sighup() {
+    let (old, new) = (TestPki::new(), TestPki::new());
+    let dir = std::env::temp_dir().join(format!("idemgate-rotate-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cert, key) = (dir.join("server.pem"), dir.join("server.key"));
+    std::fs::write(&cert, &old.cert_pem).unwrap();
+    std::fs::write(&key, &old.key_pem).unwrap();
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(&db, &up.url(), "").patch(
+        "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+        &format!(
+            "server: {{ shutdown_grace: 5s, header_read_timeout: 2s, tls: {{ cert: \"{}\", key: \"{}\" }} }}",
+            cert.display(),
+            key.display()
+        ),
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let url = format!("https://localhost:{}/pay", gw.addr.port());
+    assert_eq!(
+        keyed(&https_client(&old.ca, false), &url, "k1")
+            .await
+            .unwrap()
+            .0,
+        201
+    );
+    assert!(
+        keyed(&https_client(&new.ca, false), &url, "k2")
+            .await
+            .is_err()
+    );
+
+    std::fs::write(&cert, &new.cert_pem).unwrap();
+    std::fs::write(&key, &new.key_pem).unwrap();
+    gw.hangup();
+    wait_until(
+        "the certificate is read again",
+        std::time::Duration::from_secs(10),
+        || async { gw.log_text().contains("certificate was read again") },
+    )
+    .await;
+    assert_eq!(
+        keyed(&https_client(&new.ca, false), &url, "k3")
+            .await
+            .unwrap()
+            .0,
+        201
+    );
+    assert!(
+        keyed(&https_client(&old.ca, false), &url, "k4")
+            .await
+            .is_err(),
+        "the old certificate is no longer served"
+    );
+    gw.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}

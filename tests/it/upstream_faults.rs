@@ -1,5 +1,5 @@
 //! A misbehaving upstream, through the fault proxy: each fault ends in the status and key
-//! state SPEC section 2 names, and a retry after it does the right thing.
+//! state docs/contract.md §2 names, and a retry after it does the right thing.
 
 use std::time::Duration;
 
@@ -251,100 +251,4 @@ fn a_shutdown_grace_shorter_than_a_keyed_forward_is_warned_about_at_load() {
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(dir);
-}
-
-/// `wake.rs` yields a woken serving thread only while nothing the gateway waits for is in
-/// flight: the count must cover a forward while it waits, and come back to zero after every
-/// way a request ends (an answer, a timeout, a refusal, waiters on one key, a client that
-/// left). The count is the process's, so the test needs a process of its own: nextest gives
-/// every test one; under `cargo test` (one process for all) it runs itself again, alone.
-#[tokio::test]
-async fn what_the_gateway_waits_for_is_counted_while_it_waits_and_not_after() {
-    const NAME: &str =
-        "upstream_faults::what_the_gateway_waits_for_is_counted_while_it_waits_and_not_after";
-    if std::env::var_os("NEXTEST").is_none() && std::env::var_os("IDEMGATE_TEST_ALONE").is_none() {
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
-            .env("IDEMGATE_TEST_ALONE", "1")
-            .status()
-            .unwrap();
-        assert!(status.success(), "the test, run alone: {status}");
-        return;
-    }
-    use idemgate::wake::InFlight;
-    let (up, proxy, gw) = setup(Fault::Blackhole, "").await;
-    let c = client();
-    assert_eq!(InFlight::count(), 0);
-
-    // A forward the upstream never answers is counted until its timeout ends it: once the
-    // key is claimed (its claim no longer counted), the forward still is.
-    let url = gw.url("/pay");
-    let waiting = tokio::spawn(async move { post_to(&client(), &url, "a", "held", "x").await });
-    claimed(&gw, "held").await;
-    assert!(
-        InFlight::count() >= 1,
-        "a claimed key's forward, waiting for its upstream, is not counted"
-    );
-    assert_eq!(waiting.await.unwrap().status, 504);
-
-    // A client that leaves while its forward waits: the forward goes on to its timeout.
-    let url = gw.url("/pay");
-    let left = tokio::spawn(async move { post_to(&client(), &url, "a", "left", "x").await });
-    claimed(&gw, "left").await;
-    left.abort();
-
-    // Refused, then answered: new keys, their replays, and waiters on one key.
-    proxy.set(Fault::Refuse).await;
-    assert_eq!(post(&c, &gw, "a", "refused", "x").await.status, 502);
-    proxy.set(Fault::Pass).await;
-    up.set(Behavior {
-        delay: Duration::from_millis(300),
-        ..Behavior::default()
-    });
-    let mut tasks = Vec::new();
-    for i in 0..20 {
-        let url = gw.url("/pay");
-        let key = if i % 2 == 0 {
-            "shared".to_string()
-        } else {
-            format!("own-{i}")
-        };
-        tasks.push(tokio::spawn(async move {
-            post_to(&client(), &url, "a", &key, "x").await.status
-        }));
-    }
-    for t in tasks {
-        assert_eq!(t.await.unwrap(), 201);
-    }
-    assert_eq!(
-        up.executions(),
-        11,
-        "one for the shared key, one for each own key"
-    );
-    assert_eq!(post(&c, &gw, "a", "shared", "x").await.status, 201);
-
-    // Everything has ended, the left client's forward too (its timeout is 1 s).
-    let mut left_over = usize::MAX;
-    for _ in 0..500 {
-        left_over = InFlight::count();
-        if left_over == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        left_over, 0,
-        "waits still counted after every request ended"
-    );
-}
-
-/// Waits (up to 5 s) until account `a`'s `key` is claimed.
-async fn claimed(gw: &TestGateway, key: &str) {
-    for _ in 0..500 {
-        if row_state(gw, "a", key).await.as_deref() == Some("in_flight") {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("{key} was never claimed");
 }

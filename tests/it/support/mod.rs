@@ -42,7 +42,7 @@ pub fn pg_store_block(db: &str) -> String {
 }
 
 /// The Postgres store block for a pooler in transaction mode at `pooled`, the wake-up
-/// listener on the direct session `direct` (SPEC 8.4).
+/// listener on the direct session `direct` (docs/contract.md §8.4).
 pub fn pgbouncer_store_block(pooled: &str, direct: &str) -> String {
     format!(
         "  postgres: {{ url: \"{pooled}\", pooler: transaction, listen_url: \"{direct}\", pool_size: 8, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"

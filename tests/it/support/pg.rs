@@ -350,6 +350,43 @@ impl Cluster {
     }
 }
 
+/// A WAL receiver streaming from a cluster (`pg_receivewal`: to the primary, an asynchronous
+/// standby), stopped and its directory removed when dropped.
+#[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+pub struct WalReceiver {
+    child: std::process::Child,
+    dir: PathBuf,
+}
+
+impl Drop for WalReceiver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Cluster {
+    /// Starts `pg_receivewal` against this cluster: it shows in `pg_stat_replication` as a
+    /// streaming standby that is not synchronous.
+    #[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+    pub fn stream_wal(&self) -> WalReceiver {
+        let n = COUNTER.fetch_add(1, Ordering::SeqCst);
+        let dir = std::env::temp_dir().join(format!("idemgate-wal-{}-{n}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("creating the WAL directory");
+        let child = Command::new(self.bin.join("pg_receivewal"))
+            .arg("-D")
+            .arg(&dir)
+            .args(["--no-sync", "-d"])
+            .arg(format!("host=127.0.0.1 port={} user=postgres", self.port))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("starting pg_receivewal");
+        WalReceiver { child, dir }
+    }
+}
+
 impl Drop for Cluster {
     fn drop(&mut self) {
         if let Some(dir) = &self.dir {

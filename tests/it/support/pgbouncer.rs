@@ -1,6 +1,6 @@
 //! A throwaway PgBouncer in transaction mode in front of a test cluster.
 //!
-//! The stock configuration SPEC 8.4 names (`pool_mode = transaction`,
+//! The stock configuration docs/contract.md §8.4 names (`pool_mode = transaction`,
 //! `ignore_startup_parameters = extra_float_digits`), listening on 127.0.0.1 on a free port,
 //! trust authentication for the cluster's `postgres` user, and one wildcard database entry
 //! (`* = host=127.0.0.1 port=<cluster>`), so every test database of the cluster is reachable

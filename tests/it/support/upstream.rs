@@ -266,8 +266,9 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         .header("etag", format!("\"e{n}\""))
         .header("set-cookie", "session=secret")
         .header("x-upstream", "1")
-        // Headers only the gateway may say (SPEC 8.1): a first answer that still carries
-        // them would look like a replay to the client; every test sees them stripped.
+        // Headers only the gateway may say (docs/contract.md §8.1): a first answer that
+        // still carries them would look like a replay to the client; every test sees them
+        // stripped.
         .header("idempotent-replayed", "true")
         .header("idempotency-status", "from-the-upstream")
         .body(Full::new(body))
