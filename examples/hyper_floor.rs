@@ -1,5 +1,5 @@
 //! The floor under any hyper-based HTTP/1.1 proxy: what a plain hop costs with nothing but
-//! hyper on both sides (BENCHMARKS.md, "What hyper alone costs").
+//! hyper on both sides (BENCHMARKS.md, decisions).
 //!
 //!     cargo build --release --example hyper_floor
 //!     target/release/examples/hyper_floor LISTEN UPSTREAM [one-task|two-tasks]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The release binary built with profile-guided optimization: compiled once with
 # instrumentation, trained on the three request kinds of the shared perf harness, compiled
-# again with the profile (BENCHMARKS.md, "Before that: profile-guided optimization").
+# again with the profile (BENCHMARKS.md, decisions).
 #
 #   rustup component add llvm-tools     # once: llvm-profdata of rustc's own LLVM
 #   scripts/build-pgo.sh                # -> target/pgo/idemgate

@@ -53,6 +53,10 @@ pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
 pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     // Before anything can take long, so a signal during start-up is not lost.
     let signals = crate::server::Signals::install();
+    if let Some(warning) = crate::limits::open_file_room(&config) {
+        tracing::warn!("{warning}");
+        eprintln!("idemgate: warning: {warning}");
+    }
     let listeners = Listeners::bind(&config).await?;
     let app = App::build(config, listeners)
         .await?

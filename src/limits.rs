@@ -341,3 +341,37 @@ mod tests {
         assert_eq!(budget.used(), 0);
     }
 }
+
+/// The open-file room at start (Linux): the soft `RLIMIT_NOFILE` read from
+/// `/proc/self/limits`, against what the configuration can hold open at once (each client
+/// connection up to `server.max_connections`, each with an upstream connection, the store's
+/// pool, and a margin for listeners, the wake-up listener, logs and the runtime). A text to
+/// warn with when it does not fit; `None` when it does or the limit cannot be read.
+///
+/// The gateway cannot raise the limit itself without unsafe code; the warning says how
+/// (`ulimit -n`, systemd's `LimitNOFILE=`, deploy/systemd/idemgate.service).
+pub fn open_file_room(config: &crate::config::Config) -> Option<String> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let soft: u64 = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    let pool = match &config.store {
+        crate::config::StoreConfig::Postgres(pg) => pg.pool_size as u64 + 2,
+        crate::config::StoreConfig::Sqlite(_) => 4,
+    };
+    let connections = config.server.max_connections as u64;
+    let needed = connections * 2 + pool + 64;
+    (needed > soft).then(|| {
+        format!(
+            "the open-file limit is {soft}, below what this configuration can hold open \
+             ({needed}: server.max_connections {connections} client connections, as many \
+             upstream connections, {pool} store connections and 64 more): past it, new \
+             connections fail with \"Too many open files\". Raise it (ulimit -n {needed}, or \
+             LimitNOFILE={needed} in the systemd unit) or lower server.max_connections"
+        )
+    })
+}

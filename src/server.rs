@@ -107,10 +107,19 @@ pub async fn run(
                     },
                 },
                 Err(e) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
+                    // EMFILE and friends: back off instead of spinning, and say so once a
+                    // second at most (a full descriptor table fails every accept).
+                    static SAID: std::sync::Mutex<Option<std::time::Instant>> =
+                        std::sync::Mutex::new(None);
+                    {
+                        let mut said = SAID.lock().expect("accept warning");
+                        if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(1)) {
+                            tracing::warn!(error = %e, "accept failed; backing off (see the open-file limit)");
+                            *said = Some(std::time::Instant::now());
+                        }
+                    }
                     drop(permit);
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     continue;
                 }
             },

@@ -285,18 +285,17 @@ async fn a_runtime_role_without_create_serves_a_migrated_schema_and_says_once_wh
     // Several retries later (100 ms doubling), still said once.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let log = gw.log_text();
-    let tries = log.lines().filter(|l| l.contains("the migrations failed")).count();
+    let tries = log
+        .lines()
+        .filter(|l| l.contains("the migrations failed"))
+        .count();
     let said: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("the migrations failed") && l.contains("ERROR"))
         .collect();
     assert_eq!(said.len(), 1, "said at error level once: {log}");
     assert!(tries > 1, "and tried again meanwhile: {log}");
-    assert!(
-        said[0].contains(&role),
-        "{}",
-        said[0]
-    );
+    assert!(said[0].contains(&role), "{}", said[0]);
     assert_eq!(
         send(&c, http::Method::GET, &readyz, &[], "").await.status,
         503

@@ -686,3 +686,40 @@ async fn a_pending_restart_is_reported_against_what_runs_and_nothing_of_it_appli
     );
     gw.kill();
 }
+
+/// Under an open-file limit too low for the configuration, `serve` says so at start with the
+/// numbers and the fix; the shipped systemd unit raises the limit.
+#[tokio::test]
+async fn an_open_file_limit_too_low_for_the_config_is_named_at_start() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let dir = std::env::temp_dir().join(format!("idemgate-nofile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("gateway.yaml");
+    std::fs::write(&config, config_yaml(&db, &up.url(), "")).unwrap();
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new("sh")
+            .args([
+                "-c",
+                "ulimit -n 64 && exec timeout -s INT 3 \"$0\" serve --config \"$1\"",
+            ])
+            .arg(crate::support::bin::idemgate())
+            .arg(&config)
+            .output(),
+    )
+    .await
+    .expect("serve ran")
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("warning: the open-file limit is 64") && text.contains("LimitNOFILE"),
+        "{text}"
+    );
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/systemd/idemgate.service"),
+    )
+    .unwrap();
+    assert!(unit.contains("LimitNOFILE=65536"), "{unit}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
