@@ -53,6 +53,9 @@ pub fn open_store(config: &Config) -> Result<Arc<dyn Store>, CommandError> {
 pub async fn serve(path: &Path, config: Config) -> Result<(), CommandError> {
     // Before anything can take long, so a signal during start-up is not lost.
     let signals = crate::server::Signals::install();
+    if let Some((from, to)) = crate::limits::raise_open_files() {
+        tracing::info!(from, to, "raised the open-file limit to the hard limit");
+    }
     if let Some(warning) = crate::limits::open_file_room(&config) {
         tracing::warn!("{warning}");
         eprintln!("idemgate: warning: {warning}");

@@ -348,17 +348,10 @@ mod tests {
 /// pool, and a margin for listeners, the wake-up listener, logs and the runtime). A text to
 /// warn with when it does not fit; `None` when it does or the limit cannot be read.
 ///
-/// The gateway cannot raise the limit itself without unsafe code; the warning says how
+/// Run after [`raise_open_files`]; the warning says how to raise the limit further
 /// (`ulimit -n`, systemd's `LimitNOFILE=`, deploy/systemd/idemgate.service).
 pub fn open_file_room(config: &crate::config::Config) -> Option<String> {
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let soft: u64 = limits
-        .lines()
-        .find(|l| l.starts_with("Max open files"))?
-        .split_whitespace()
-        .nth(3)?
-        .parse()
-        .ok()?;
+    let (soft, _) = open_file_limits()?;
     let pool = match &config.store {
         crate::config::StoreConfig::Postgres(pg) => pg.pool_size as u64 + 2,
         crate::config::StoreConfig::Sqlite(_) => 4,
@@ -374,4 +367,40 @@ pub fn open_file_room(config: &crate::config::Config) -> Option<String> {
              LimitNOFILE={needed} in the systemd unit) or lower server.max_connections"
         )
     })
+}
+
+/// The soft and hard `RLIMIT_NOFILE` of this process, from `/proc/self/limits` (Linux).
+fn open_file_limits() -> Option<(u64, u64)> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let mut fields = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .skip(3);
+    let soft = fields.next()?.parse().ok()?;
+    let hard = match fields.next()? {
+        "unlimited" => u64::MAX,
+        n => n.parse().ok()?,
+    };
+    Some((soft, hard))
+}
+
+/// Raises the soft open-file limit to the hard one, as servers do at start (raising one's own
+/// soft limit up to the hard one needs no privilege). With no unsafe code in the crate, it
+/// asks util-linux's `prlimit` to do it for this process; where that is missing or refused,
+/// the limit stays and [`open_file_room`] says what it costs. Returns (from, to) when raised.
+pub fn raise_open_files() -> Option<(u64, u64)> {
+    let (soft, hard) = open_file_limits()?;
+    if soft >= hard || hard == u64::MAX {
+        return None;
+    }
+    let done = std::process::Command::new("prlimit")
+        .arg(format!("--pid={}", std::process::id()))
+        .arg(format!("--nofile={hard}:{hard}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let (now, _) = open_file_limits()?;
+    (done && now > soft).then_some((soft, now))
 }

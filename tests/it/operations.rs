@@ -716,6 +716,33 @@ async fn an_open_file_limit_too_low_for_the_config_is_named_at_start() {
         text.contains("warning: the open-file limit is 64") && text.contains("LimitNOFILE"),
         "{text}"
     );
+    // A soft limit below the hard one is raised to it at start, as servers do.
+    std::fs::write(
+        &config,
+        config_yaml(&db, &up.url(), "").patch(
+            "server: { shutdown_grace: 5s, header_read_timeout: 2s }",
+            "server: { shutdown_grace: 5s, header_read_timeout: 2s, max_connections: 100 }",
+        ),
+    )
+    .unwrap();
+    let out = tokio::process::Command::new("sh")
+        .args([
+            "-c",
+            "ulimit -Sn 64 && ulimit -Hn 4096 && RUST_LOG=info exec timeout -s INT 3 \"$0\" serve --config \"$1\"",
+        ])
+        .arg(crate::support::bin::idemgate())
+        .arg(&config)
+        .output()
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("raised the open-file limit")
+            && text.contains("from=64")
+            && text.contains("to=4096"),
+        "{text}"
+    );
+    assert!(!text.contains("warning: the open-file limit"), "{text}");
     let unit = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/systemd/idemgate.service"),
     )
