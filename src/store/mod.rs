@@ -17,8 +17,6 @@
 //! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
 //! (`tests/it/conformance.rs`) run the same test bodies against both.
 
-#[cfg(test)]
-mod model;
 mod pg_batch;
 pub mod pg_cancel;
 mod pg_connect;

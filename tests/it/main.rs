@@ -20,6 +20,7 @@ mod holes;
 mod hostile_clients;
 mod instances;
 mod lab;
+mod model;
 mod online_migration;
 mod operations;
 mod operator_tools;

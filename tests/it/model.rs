@@ -1,7 +1,7 @@
 //! The claim protocol as a state machine, model-checked over every interleaving within
 //! bounds (tests only, with stateright): clients retrying one (scope, key), several gateway
 //! instances, the key's row with its lease and token, an upstream that executes, and the
-//! faults. It is the [`Store`](super::Store) contract seen from above: what the statements
+//! faults. It is the `Store` (src/store/mod.rs) contract seen from above: what the statements
 //! of `postgres.rs` and the steps of `gateway.rs` do to one key, one step at a time.
 //!
 //! # The state
