@@ -44,9 +44,7 @@ use crate::cache::ReplayCache;
 use crate::config::Idempotency;
 use crate::config::{Config, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
-use crate::forward::{
-    Body, ClientInfo, UpstreamClient, UpstreamError, clean_response_headers, full, stream,
-};
+use crate::forward::{Body, ClientInfo, UpstreamClient, clean_response_headers, full, stream};
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
 use crate::metrics::{Metrics, observed, outcome};
@@ -1222,7 +1220,7 @@ async fn proxy(
     let started = Instant::now();
     let sent = upstream.send_streamed(req, timer).await;
     log.upstream = Some(started.elapsed());
-    Ok(passed_on(sent.map_err(upstream_failure)?, admission, log))
+    Ok(passed_on(sent.map_err(GatewayError::from)?, admission, log))
 }
 
 /// A plain forward that asked to switch protocols: a 101 from the upstream opens a tunnel
@@ -1239,7 +1237,7 @@ async fn tunnel(
     let started = Instant::now();
     let sent = upstream.send(req).await;
     log.upstream = Some(started.elapsed());
-    let mut resp = sent.map_err(upstream_failure)?;
+    let mut resp = sent.map_err(GatewayError::from)?;
     if resp.status() != http::StatusCode::SWITCHING_PROTOCOLS {
         return Ok(passed_on(resp.map(stream), hold.0, log));
     }
@@ -1259,15 +1257,6 @@ fn passed_on(resp: Response<Body>, admission: Admission, log: &mut RequestLog) -
     clean_response_headers(&mut parts.headers);
     log.held = Some(admission);
     Response::from_parts(parts, body)
-}
-
-/// What a failed plain forward tells the client.
-fn upstream_failure(e: UpstreamError) -> GatewayError {
-    match e {
-        UpstreamError::Connect(e) => GatewayError::UpstreamUnavailable(e),
-        UpstreamError::Timeout => GatewayError::UpstreamTimeout,
-        UpstreamError::Failed(e) => GatewayError::UpstreamFailed(e),
-    }
 }
 
 #[cfg(test)]

@@ -288,60 +288,6 @@ pub struct Admission {
     pub bytes: Reservation,
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn slots_are_bounded_and_given_back() {
-        let limit = Arc::new(UpstreamLimit::new(2, Gauge::default()));
-        let a = limit.try_acquire().unwrap();
-        let b = limit.try_acquire().unwrap();
-        assert!(limit.try_acquire().is_none());
-        drop(a);
-        let c = limit.try_acquire().unwrap();
-        assert_eq!(limit.current(), 2);
-        drop((b, c));
-        assert_eq!(limit.current(), 0);
-        assert_eq!(limit.gauge.get(), 0);
-    }
-
-    #[test]
-    fn bytes_are_bounded_resized_and_given_back() {
-        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
-        let mut a = budget.try_reserve(60).unwrap();
-        assert!(budget.try_reserve(50).is_none());
-        a.resize(10);
-        let mut b = budget.try_reserve(50).unwrap();
-        // A capture grows past the bound; then nothing new is admitted, not even 0 bytes.
-        b.resize(120);
-        assert_eq!(budget.used(), 130);
-        assert!(budget.try_reserve(0).is_none());
-        drop(b);
-        assert!(budget.try_reserve(0).is_some());
-        drop(a);
-        assert_eq!(budget.used(), 0);
-        assert_eq!(budget.gauge.get(), 0);
-    }
-
-    #[test]
-    fn an_unbuffered_admission_is_refused_while_overdrawn_and_holds_nothing() {
-        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
-        let mut held = budget.try_reserve(100).unwrap();
-        assert!(budget.admit_unbuffered().is_none(), "at the bound");
-        held.resize(150);
-        assert!(budget.admit_unbuffered().is_none(), "overdrawn");
-        held.resize(99);
-        let mut free = budget.admit_unbuffered().unwrap();
-        free.resize(0);
-        assert_eq!(free.bytes(), 0);
-        drop(free);
-        assert_eq!(budget.used(), 99);
-        drop(held);
-        assert_eq!(budget.used(), 0);
-    }
-}
-
 /// The open-file room at start (Linux): the soft `RLIMIT_NOFILE` read from
 /// `/proc/self/limits`, against what the configuration can hold open at once (each client
 /// connection up to `server.max_connections`, each with an upstream connection, the store's
@@ -403,4 +349,58 @@ pub fn raise_open_files() -> Option<(u64, u64)> {
         .is_ok_and(|s| s.success());
     let (now, _) = open_file_limits()?;
     (done && now > soft).then_some((soft, now))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_bounded_and_given_back() {
+        let limit = Arc::new(UpstreamLimit::new(2, Gauge::default()));
+        let a = limit.try_acquire().unwrap();
+        let b = limit.try_acquire().unwrap();
+        assert!(limit.try_acquire().is_none());
+        drop(a);
+        let c = limit.try_acquire().unwrap();
+        assert_eq!(limit.current(), 2);
+        drop((b, c));
+        assert_eq!(limit.current(), 0);
+        assert_eq!(limit.gauge.get(), 0);
+    }
+
+    #[test]
+    fn bytes_are_bounded_resized_and_given_back() {
+        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
+        let mut a = budget.try_reserve(60).unwrap();
+        assert!(budget.try_reserve(50).is_none());
+        a.resize(10);
+        let mut b = budget.try_reserve(50).unwrap();
+        // A capture grows past the bound; then nothing new is admitted, not even 0 bytes.
+        b.resize(120);
+        assert_eq!(budget.used(), 130);
+        assert!(budget.try_reserve(0).is_none());
+        drop(b);
+        assert!(budget.try_reserve(0).is_some());
+        drop(a);
+        assert_eq!(budget.used(), 0);
+        assert_eq!(budget.gauge.get(), 0);
+    }
+
+    #[test]
+    fn an_unbuffered_admission_is_refused_while_overdrawn_and_holds_nothing() {
+        let budget = Arc::new(ByteBudget::new(100, Gauge::default()));
+        let mut held = budget.try_reserve(100).unwrap();
+        assert!(budget.admit_unbuffered().is_none(), "at the bound");
+        held.resize(150);
+        assert!(budget.admit_unbuffered().is_none(), "overdrawn");
+        held.resize(99);
+        let mut free = budget.admit_unbuffered().unwrap();
+        free.resize(0);
+        assert_eq!(free.bytes(), 0);
+        drop(free);
+        assert_eq!(budget.used(), 99);
+        drop(held);
+        assert_eq!(budget.used(), 0);
+    }
 }

@@ -407,6 +407,18 @@ impl Problem {
     }
 }
 
+/// What a failed forward tells the client: the one mapping, for plain and keyed forwards.
+impl From<crate::forward::UpstreamError> for GatewayError {
+    fn from(e: crate::forward::UpstreamError) -> GatewayError {
+        use crate::forward::UpstreamError;
+        match e {
+            UpstreamError::Connect(e) => GatewayError::UpstreamUnavailable(e),
+            UpstreamError::Timeout => GatewayError::UpstreamTimeout,
+            UpstreamError::Failed(e) => GatewayError::UpstreamFailed(e),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

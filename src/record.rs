@@ -165,12 +165,7 @@ impl ForwardJob {
                 if let Err(se) = self.finish(outcome, idem.ttl).await {
                     tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
                 }
-                Err(match e {
-                    UpstreamError::Timeout => GatewayError::UpstreamTimeout,
-                    UpstreamError::Failed(msg) | UpstreamError::Connect(msg) => {
-                        GatewayError::UpstreamFailed(msg)
-                    }
-                })
+                Err(e.into())
             }
             Ok((mut parts, Captured::PassOn(body))) => {
                 // A retryable status: release, so a retry forwards again, then pass it on.
