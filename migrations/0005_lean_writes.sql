@@ -26,7 +26,8 @@
 -- eligible for the collector, which deletes them when their expires_at passes. What would
 -- scan or rewrite the table runs after this transaction, without blocking writes: the
 -- gc_after index is built concurrently, and a backfill sets gc_after = expires_at on the
--- rows at the default, in small batches (the collector repeats it for later ones).
+-- rows at the default, in small batches (the collector repeats it for later ones). On a
+-- table with no rows yet the index is made here (below).
 -- A table partitioned by scope as in docs/operations.md is handled too: its expires_at index
 -- is found by column, and fillfactor is set on its partitions.
 
@@ -67,5 +68,15 @@ BEGIN
     LOOP
         EXECUTE format('ALTER TABLE %s SET (fillfactor = 90)', r.tbl);
     END LOOP;
+END
+$$;
+
+-- A table with no rows yet (a new install) gets its gc_after index here, at once: there is
+-- nothing to scan. A table with rows gets it built concurrently after this transaction.
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM idemgate_keys) THEN
+        CREATE INDEX idemgate_keys_gc_after ON idemgate_keys (gc_after);
+    END IF;
 END
 $$;

@@ -661,9 +661,10 @@ async fn bodies_held_for_a_slow_reading_upstream_never_exceed_max_buffered_bytes
 }
 
 /// Routes are matched in file order, the first that fits wins, even where a later one is
-/// more specific; a route's `methods` leaves other methods to the routes after it; an exact
-/// `path` takes that path (and its one trailing slash), never a longer one. Two upstreams
-/// tell which route took each request.
+/// more specific (for the methods they share: a route that an earlier one shadows whole is
+/// refused at load); a route's `methods` leaves other methods to the routes after it; an
+/// exact `path` takes that path (and its one trailing slash), never a longer one. Two
+/// upstreams tell which route took each request.
 #[tokio::test]
 async fn the_first_route_in_file_order_wins_and_methods_and_exact_paths_leave_the_rest() {
     let (a, b) = (Upstream::start().await, Upstream::start().await);
@@ -674,7 +675,7 @@ async fn the_first_route_in_file_order_wins_and_methods_and_exact_paths_leave_th
   b: {{ url: "{b}", connect_timeout: 200ms, timeout: 5s }}
 routes:
   - name: orders
-    match: {{ path_prefix: /orders }}
+    match: {{ path_prefix: /orders, methods: [POST] }}
     upstream: a
   - name: special-orders
     match: {{ path_prefix: /orders/special }}
@@ -697,6 +698,7 @@ routes:
     let c = client();
     for (method, path) in [
         (Method::POST, "/orders/special/1"),
+        (Method::GET, "/orders/special/2"),
         (Method::GET, "/submit"),
         (Method::POST, "/submit"),
         (Method::GET, "/exact"),
@@ -727,7 +729,8 @@ routes:
     assert_eq!(
         took(&b),
         pairs(&[
-            ("GET", "/submit"), // not a POST: the catch-all's
+            ("GET", "/orders/special/2"), // not a POST: special-orders'
+            ("GET", "/submit"),           // not a POST: the catch-all's
             ("GET", "/exact/more"),
             ("GET", "/exactly"),
         ])

@@ -291,7 +291,7 @@ async fn a_runtime_role_without_create_serves_a_migrated_schema_and_says_once_wh
         .count();
     let said: Vec<&str> = log
         .lines()
-        .filter(|l| l.contains("the migrations failed") && l.contains("ERROR"))
+        .filter(|l| l.contains("the migrations failed") && l.contains(" ERROR idemgate"))
         .collect();
     assert_eq!(said.len(), 1, "said at error level once: {log}");
     assert!(tries > 1, "and tried again meanwhile: {log}");

@@ -652,7 +652,7 @@ async fn a_pending_restart_is_reported_against_what_runs_and_nothing_of_it_appli
     std::fs::write(&gw.config, &changed).unwrap();
     for n in 1..=2 {
         gw.hangup();
-        wait_until("the reload is logged", Duration::from_secs(10), || async {
+        wait_until("the reload is logged", Duration::from_secs(30), || async {
             gw.log_text()
                 .matches("these changes apply after a restart")
                 .count()
