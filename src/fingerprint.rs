@@ -1,4 +1,4 @@
-//! The request fingerprint: SHA-256 over what makes two requests "the same" (SPEC section 1).
+//! The request fingerprint: SHA-256 over what makes two requests "the same" (docs/contract.md, section 1).
 //!
 //! Parts, in order, each length-prefixed so that no two different requests can produce the
 //! same byte stream: method, route name, path and query, each configured header (its values
@@ -16,7 +16,7 @@ use std::borrow::Cow;
 use sha2::{Digest, Sha256};
 
 use crate::config::FingerprintConfig;
-use crate::json::{Json, MAX_DEPTH, Node};
+use crate::json::{Json, MAX_DEPTH, Node, Text};
 
 /// A SHA-256 digest.
 pub type Fingerprint = [u8; 32];
@@ -201,46 +201,44 @@ impl From<serde_json::Error> for Unwritten {
     }
 }
 
-/// [`write_canonical`] of a value inside `depth` arrays and objects.
+/// [`write_canonical`] of a value inside `depth` arrays and objects, with pointers to leave
+/// out below it; [`whole`] once there are none (nearly every value).
 fn canonical<W: std::io::Write>(
     doc: &Json<'_>,
-    node: &Node<'_>,
+    node: Node,
     out: &mut W,
     ignore: &[&[Cow<'_, str>]],
     depth: usize,
 ) -> Result<(), Unwritten> {
+    if ignore.is_empty() {
+        return whole(doc, node, out, depth);
+    }
     match node {
-        Node::Null => out.write_all(b"null")?,
-        Node::Bool(true) => out.write_all(b"true")?,
-        Node::Bool(false) => out.write_all(b"false")?,
-        // The text serde_json keeps for an integer that fits is its decimal form.
-        Node::U64(n) => write_integer(out, false, *n)?,
-        Node::I64(n) => write_integer(out, *n < 0, n.unsigned_abs())?,
-        Node::Number(n) => serde_json::to_writer(&mut *out, n)?,
-        Node::Str(s) => write_str(out, s)?,
         Node::Object(span) => {
             if depth >= MAX_DEPTH {
                 return Err(Unwritten);
             }
             out.write_all(b"{")?;
+            // The members the pointers name next, found by their names (sorted already:
+            // `Json::members`), so that the others cost nothing more than in `whole`.
+            let members = doc.members(span);
+            let named = named(ignore, |token| {
+                members
+                    .binary_search_by(|m| doc.text(m.name).as_bytes().cmp(token.as_bytes()))
+                    .ok()
+            });
             let mut first = true;
-            // Sorted by the bytes of their names already (`Json::members`).
-            for (name, value) in doc.members(*span) {
-                let deeper = if ignore.is_empty() {
-                    Vec::new()
-                } else {
-                    match below(ignore, name) {
-                        Some(deeper) => deeper,
-                        None => continue, // this very member is ignored
-                    }
+            for (i, m) in members.iter().enumerate() {
+                let Some(deeper) = below(&named, i) else {
+                    continue; // this very member is ignored
                 };
                 if !first {
                     out.write_all(b",")?;
                 }
                 first = false;
-                write_str(out, name)?;
+                write_str(out, doc, m.name)?;
                 out.write_all(b":")?;
-                canonical(doc, value, out, &deeper, depth + 1)?;
+                canonical(doc, m.value, out, &deeper, depth + 1)?;
             }
             out.write_all(b"}")?;
         }
@@ -250,32 +248,79 @@ fn canonical<W: std::io::Write>(
             }
             out.write_all(b"[")?;
             // Only a pointer whose next token is an array index (`0`, or digits without a
-            // leading zero) can name an element; an element's index is written out only
-            // while such a pointer remains.
-            let ignore: Vec<&[Cow<'_, str>]> = ignore
-                .iter()
-                .copied()
-                .filter(|p| p.first().is_some_and(|t| is_index(t)))
-                .collect();
-            let mut index = String::new();
+            // leading zero) can name an element.
+            let items = doc.items(span);
+            let named = named(ignore, |token| {
+                let at: usize = token.parse().ok().filter(|_| is_index(token))?;
+                (at < items.len()).then_some(at)
+            });
             let mut first = true;
-            for (i, value) in doc.items(*span).iter().enumerate() {
-                let deeper = if ignore.is_empty() {
-                    Vec::new()
-                } else {
-                    use std::fmt::Write as _;
-                    index.clear();
-                    let _ = write!(index, "{i}");
-                    match below(&ignore, &index) {
-                        Some(deeper) => deeper,
-                        None => continue,
-                    }
+            for (i, &value) in items.iter().enumerate() {
+                let Some(deeper) = below(&named, i) else {
+                    continue;
                 };
                 if !first {
                     out.write_all(b",")?;
                 }
                 first = false;
                 canonical(doc, value, out, &deeper, depth + 1)?;
+            }
+            out.write_all(b"]")?;
+        }
+        scalar => whole(doc, scalar, out, depth)?,
+    }
+    Ok(())
+}
+
+/// [`write_canonical`] of a value inside `depth` arrays and objects, all of it.
+fn whole<W: std::io::Write>(
+    doc: &Json<'_>,
+    node: Node,
+    out: &mut W,
+    depth: usize,
+) -> Result<(), Unwritten> {
+    match node {
+        Node::Null => out.write_all(b"null")?,
+        Node::Bool(true) => out.write_all(b"true")?,
+        Node::Bool(false) => out.write_all(b"false")?,
+        // The text serde_json keeps for an integer that fits is its decimal form.
+        Node::U64(n) => write_integer(out, false, n)?,
+        Node::I64(n) => write_integer(out, n < 0, n.unsigned_abs())?,
+        // Its text as serde_json keeps it (`Node::Number`), which serde_json writes as it is.
+        Node::Number(n) => out.write_all(doc.text(n).as_bytes())?,
+        Node::Str(s) => write_str(out, doc, s)?,
+        Node::Object(span) | Node::Array(span) if doc.verbatim(span).is_some() => {
+            // Written in the body as it is written here (`Json::verbatim`).
+            if depth >= MAX_DEPTH {
+                return Err(Unwritten);
+            }
+            out.write_all(doc.verbatim(span).unwrap_or_default().as_bytes())?;
+        }
+        Node::Object(span) => {
+            if depth >= MAX_DEPTH {
+                return Err(Unwritten);
+            }
+            out.write_all(b"{")?;
+            for (i, m) in doc.members(span).iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                write_str(out, doc, m.name)?;
+                out.write_all(b":")?;
+                whole(doc, m.value, out, depth + 1)?;
+            }
+            out.write_all(b"}")?;
+        }
+        Node::Array(span) => {
+            if depth >= MAX_DEPTH {
+                return Err(Unwritten);
+            }
+            out.write_all(b"[")?;
+            for (i, &value) in doc.items(span).iter().enumerate() {
+                if i > 0 {
+                    out.write_all(b",")?;
+                }
+                whole(doc, value, out, depth + 1)?;
             }
             out.write_all(b"]")?;
         }
@@ -308,9 +353,13 @@ fn write_integer<W: std::io::Write>(
 }
 
 /// A string as serde_json writes it: quoted, with `"`, `\` and control characters escaped
-/// (nothing else). Most strings have none of those and are written as they are.
-fn write_str<W: std::io::Write>(out: &mut W, s: &str) -> Result<(), Unwritten> {
-    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
+/// (nothing else). A string as written in the body had no escapes there, so it has none of
+/// those ([`Text`]); only a decoded one is looked at.
+fn write_str<W: std::io::Write>(out: &mut W, doc: &Json<'_>, t: Text) -> Result<(), Unwritten> {
+    let s = doc.text(t);
+    let needs_escapes = |s: &str| s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\');
+    debug_assert!(t.is_decoded() || !needs_escapes(s));
+    if t.is_decoded() && needs_escapes(s) {
         serde_json::to_writer(&mut *out, s)?;
     } else {
         out.write_all(b"\"")?;
@@ -320,19 +369,36 @@ fn write_str<W: std::io::Write>(out: &mut W, s: &str) -> Result<(), Unwritten> {
     Ok(())
 }
 
-/// The pointers that go on below the member or element `name`; `None` if one ends there (it
-/// is left out). No allocation while there are none.
-fn below<'p, 'c>(ignore: &[&'p [Cow<'c, str>]], name: &str) -> Option<Vec<&'p [Cow<'c, str>]>> {
+/// The pointers, by the member or element their next token names (`find`: its index, if
+/// the container has it), in the order of those indices, each with its remaining tokens.
+fn named<'p, 'c>(
+    ignore: &[&'p [Cow<'c, str>]],
+    find: impl Fn(&str) -> Option<usize>,
+) -> Vec<(usize, &'p [Cow<'c, str>])> {
+    let mut named: Vec<_> = ignore
+        .iter()
+        .filter_map(|p| {
+            let (token, rest) = p.split_first()?;
+            Some((find(token)?, rest))
+        })
+        .collect();
+    named.sort_by_key(|&(at, _)| at);
+    named
+}
+
+/// The pointers that go on below the member or element at `at` (of those [`named`] found);
+/// `None` if one ends there (it is left out). No allocation while there are none.
+fn below<'p, 'c>(
+    named: &[(usize, &'p [Cow<'c, str>])],
+    at: usize,
+) -> Option<Vec<&'p [Cow<'c, str>]>> {
+    let from = named.partition_point(|&(i, _)| i < at);
     let mut deeper = Vec::new();
-    for p in ignore {
-        if let Some((first, rest)) = p.split_first()
-            && first == name
-        {
-            if rest.is_empty() {
-                return None;
-            }
-            deeper.push(rest);
+    for &(_, rest) in named[from..].iter().take_while(|&&(i, _)| i == at) {
+        if rest.is_empty() {
+            return None;
         }
+        deeper.push(rest);
     }
     Some(deeper)
 }
@@ -454,6 +520,22 @@ mod tests {
                 write_canonical(doc, &mut got, &ign).unwrap();
                 prop_assert_eq!(String::from_utf8(got).unwrap(), String::from_utf8(want).unwrap());
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_canonical_text_is_its_own_canonical_form(text in json_text()) {
+            // serde_json writes a value compact, names sorted (its map is ordered), numbers
+            // as kept: the canonical form, which the document copies where it can.
+            let Ok(value) = serde_json::from_str::<Value>(&text) else {
+                return Ok(());
+            };
+            let compact = value.to_string();
+            prop_assert_eq!(canon(&compact, &[]), compact.clone());
+            let mut want = Vec::new();
+            reference(&value, &mut want, &[]);
+            prop_assert_eq!(compact.into_bytes(), want);
         }
     }
 

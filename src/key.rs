@@ -1,4 +1,4 @@
-//! Key and scope extraction and validation (SPEC sections 1 and 3).
+//! Key and scope extraction and validation (docs/contract.md, sections 1 and 3).
 //!
 //! A key comes from the first configured source that is present: a header (bare, or an RFC
 //! 8941 structured-field string `"abc"`) or a JSON pointer into the body. A valid key is 1-255
@@ -7,7 +7,7 @@
 //! never stored or logged. The body is parsed as JSON at most once per request, and only when
 //! a source needs it ([`JsonBody`]).
 //!
-//! Ambiguity is refused, never guessed (SPEC section 8.1): a key or scope header repeated
+//! Ambiguity is refused, never guessed (docs/contract.md, section 8.1): a key or scope header repeated
 //! with different values is 400, and a JSON body with a repeated member name anywhere is not
 //! JSON to the gateway (two parsers may read it two ways).
 //!
@@ -96,10 +96,19 @@ impl<'a> JsonBody<'a> {
 fn text_at(json: &Json<'_>, ptr: &str) -> Result<Option<String>, ()> {
     match json.pointer(ptr) {
         None | Some(Node::Null) => Ok(None),
-        Some(Node::Str(s)) => Ok(Some(s.to_string())),
+        Some(Node::Str(s)) => Ok(Some(json.text(s).to_string())),
         Some(Node::U64(n)) => Ok(Some(n.to_string())),
         Some(Node::I64(n)) => Ok(Some(n.to_string())),
-        Some(Node::Number(n)) if n.is_i64() || n.is_u64() => Ok(Some(n.to_string())),
+        // serde_json's `Number::is_i64` and `is_u64` with `arbitrary_precision`: the text
+        // parses as one (`-0` does).
+        Some(Node::Number(n)) => {
+            let n = json.text(n);
+            if n.parse::<i64>().is_ok() || n.parse::<u64>().is_ok() {
+                Ok(Some(n.to_string()))
+            } else {
+                Err(())
+            }
+        }
         Some(_) => Err(()),
     }
 }

@@ -14,6 +14,7 @@ fn candidates(root: &Path, module: &str) -> Vec<std::path::PathBuf> {
         root.join("src").join(format!("{module}.rs")),
         root.join("src").join(module).join("mod.rs"),
         root.join("src/store").join(format!("{module}.rs")),
+        root.join("src").join(module).join("tests.rs"),
     ]
 }
 
@@ -63,7 +64,8 @@ fn every_test_named_in_the_guarantees_exists() {
 }
 
 /// The top-level modules of `src/` each file belongs to, and the top-level modules it names
-/// as `crate::<module>` outside comments and its unit tests.
+/// as `crate::<module>` outside comments and its unit tests (a `mod tests` at the end of a
+/// file, or a file of its own named `tests.rs`).
 fn module_imports(
     root: &Path,
 ) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
@@ -72,7 +74,9 @@ fn module_imports(
             let path = entry.path();
             if path.is_dir() {
                 walk(&path, out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
+            } else if path.extension().is_some_and(|e| e == "rs")
+                && path.file_name().is_some_and(|n| n != "tests.rs")
+            {
                 out.push(path);
             }
         }
