@@ -87,6 +87,37 @@ pub fn new_request_id() -> HeaderValue {
     HeaderValue::from_maybe_shared(id).expect("hex and a dash are a valid header value")
 }
 
+/// What the access log line and the request counter say about one request, filled in as
+/// the gateway serves it (the gateway's stages write it; `Gateway::handle` turns it into an
+/// [`AccessLine`] and the route's counters).
+pub(crate) struct RequestLog {
+    /// The matched route's metric handles (and name).
+    pub(crate) route: Option<Arc<crate::metrics::RouteHandles>>,
+    pub(crate) outcome: &'static str,
+    pub(crate) key_id: Option<String>,
+    pub(crate) upstream: Option<Duration>,
+    /// Request body bytes when known (a keyed body read whole).
+    pub(crate) bytes_in: Option<u64>,
+    /// Counts a streamed request body of unknown length.
+    pub(crate) counted_in: Option<Arc<std::sync::atomic::AtomicU64>>,
+    /// A passed-on answer's admission, held by the response body until it is done with.
+    pub(crate) held: Option<crate::limits::Admission>,
+}
+
+impl RequestLog {
+    pub(crate) fn new(outcome: &'static str) -> RequestLog {
+        RequestLog {
+            route: None,
+            outcome,
+            key_id: None,
+            upstream: None,
+            bytes_in: None,
+            counted_in: None,
+            held: None,
+        }
+    }
+}
+
 /// What the access line says about one request; filled in as the request goes.
 pub struct AccessLine {
     pub method: Method,

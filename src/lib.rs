@@ -68,7 +68,6 @@ pub mod logging;
 pub mod metrics;
 pub mod path;
 pub mod problem;
-pub mod record;
 pub mod replay;
 pub mod routing;
 pub mod serialize;

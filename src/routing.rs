@@ -52,11 +52,22 @@ impl Routing {
         route_index(&self.config, &self.lenient, method, path)
     }
 
-    pub(crate) fn route(&self, name: &str) -> Option<(&Route, &Idempotency, &UpstreamClient)> {
-        let route = self.config.routes.iter().find(|r| r.name == name)?;
-        let idem = route.idempotency.as_ref()?;
-        let upstream = self.upstreams.get(&route.upstream)?;
-        Some((route, idem, upstream))
+    /// The upstream a route forwards to.
+    pub(crate) fn upstream_of(&self, route: &Route) -> &UpstreamClient {
+        self.upstreams
+            .get(&route.upstream)
+            .expect("validated config: every route names an upstream")
+    }
+
+    /// The keyed route at `index` (as [`Routing::route_index`] found it), its idempotency
+    /// and its upstream.
+    pub(crate) fn keyed(&self, index: usize) -> (&Route, &Idempotency, &UpstreamClient) {
+        let route = &self.config.routes[index];
+        let idem = route
+            .idempotency
+            .as_ref()
+            .expect("a keyed request's route is keyed");
+        (route, idem, self.upstream_of(route))
     }
 }
 

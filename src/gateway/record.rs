@@ -21,50 +21,39 @@ use tokio::time::Instant;
 use crate::body::{Captured, Prefixed, read_capped};
 use crate::config::{Idempotency, Mode, OnUnknownOutcome};
 use crate::forward::{Body, UpstreamError, clean_response_headers, full};
-use crate::limits::{Admission, Reservation};
-use crate::metrics::Metrics;
+use crate::limits::Reservation;
 use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
-use crate::routing::Routing;
-use crate::serialize::Serializer;
-use crate::store::Store;
 use crate::store::{LeaseToken, Outcome, StoreError};
-use crate::wait::key_id;
 
-/// A claimed request on its way to the upstream, detached from the client connection.
-pub(crate) struct ForwardJob {
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) serializer: Arc<Serializer>,
-    pub(crate) metrics: Arc<Metrics>,
-    /// The configuration the request started with (a reload does not change it midway).
-    pub(crate) routing: Arc<Routing>,
-    pub(crate) route: String,
-    pub(crate) scope: String,
-    pub(crate) key: String,
-    pub(crate) token: LeaseToken,
+use super::keyed::KeyedRequest;
+
+/// A claimed request on its way to the upstream, detached from the client connection: the
+/// keyed request and the lease it holds.
+pub(super) struct Claimed {
+    pub(super) request: KeyedRequest,
+    pub(super) token: LeaseToken,
     /// Local time by which the lease has surely ended; no write is attempted after it.
-    pub(crate) lease_ends: Instant,
-    /// The upstream slot and buffered bytes; a captured response is added as it arrives.
-    pub(crate) admission: Admission,
+    pub(super) lease_ends: Instant,
 }
 
 /// How many times a completion is attempted before the client is told it failed.
 const FINISH_ATTEMPTS: u32 = 3;
 
-impl ForwardJob {
+impl Claimed {
     /// Waits for a `serialize` slot if the route has one, takes an upstream slot
     /// (`max_in_flight`; none left: the key is released and the answer is 503 `overloaded`),
     /// forwards, records, frees the slots. Runs inside the keyed request's own task, so a
     /// client that goes away does not stop it. Also sets how long the upstream took, when it
     /// was called. Gives back the request's byte reservation, which then counts the answer
     /// (the caller holds it until the answer is written); the upstream slot ends here.
-    pub(crate) async fn run(
+    pub(super) async fn run(
         mut self,
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> (Result<Response<Body>, GatewayError>, Reservation) {
         let result = self.serialized(request, took).await;
-        (result, self.admission.bytes)
+        (result, self.request.admission.bytes)
     }
 
     async fn serialized(
@@ -72,12 +61,10 @@ impl ForwardJob {
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
-        let routing = Arc::clone(&self.routing);
-        let (_, idem, upstream) = routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
-        let store = Arc::clone(&self.store);
-        let store = store.as_ref();
+        let routing = Arc::clone(&self.request.routing);
+        let (_, idem, upstream) = routing.keyed(self.request.index);
+        let gateway = Arc::clone(&self.request.gateway);
+        let store = gateway.store.as_ref();
         let held = match idem.serialize {
             // Serializing is enforcement: an observe route forwards at once.
             None => None,
@@ -86,17 +73,17 @@ impl ForwardJob {
                 // The forward and its recording must fit in what is left of the lease.
                 let last_start = self.lease_ends
                     - upstream.config.timeout
-                    - self.routing.config.store.record_bound() * 2;
-                let got = self
+                    - self.request.routing.config.store.record_bound() * 2;
+                let got = gateway
                     .serializer
-                    .acquire(store, &self.scope, ser, idem.lease, last_start)
+                    .acquire(store, &self.request.scope, ser, idem.lease, last_start)
                     .await;
                 match got {
                     Ok(Some(held)) => Some(held),
                     Ok(None) | Err(_) => {
                         // Nothing was forwarded: give the key back so a retry can go through.
                         if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                            tracing::warn!(route = %self.route, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
+                            tracing::warn!(route = %self.request.route().name, error = %e, "could not release a key after waiting for a slot; it frees itself when its lease ends");
                         }
                         return Err(match got {
                             Err(e) => GatewayError::from(e),
@@ -106,15 +93,17 @@ impl ForwardJob {
                 }
             }
         };
-        let slot = self
-            .admission
-            .take_slot(&upstream.limit, &upstream.config.name, &self.metrics);
+        let slot = self.request.admission.take_slot(
+            &upstream.limit,
+            &upstream.config.name,
+            &gateway.metrics,
+        );
         let result = match slot {
             Ok(()) => self.forward(request, took).await,
             Err(bound) => {
                 // Nothing was forwarded: give the key back so a retry can go through.
                 if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %e, "could not release a key refused an upstream slot; it frees itself when its lease ends");
+                    tracing::warn!(route = %self.request.route().name, error = %e, "could not release a key refused an upstream slot; it frees itself when its lease ends");
                 }
                 Err(GatewayError::Overloaded(bound))
             }
@@ -131,13 +120,11 @@ impl ForwardJob {
         request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
-        let (_, idem, upstream) = self
-            .routing
-            .route(&self.route)
-            .expect("the route of a claimed request exists");
+        let routing = Arc::clone(&self.request.routing);
+        let (_, idem, upstream) = routing.keyed(self.request.index);
         let started = Instant::now();
         let limit = idem.max_stored_response;
-        let held = &mut self.admission.bytes;
+        let held = &mut self.request.admission.bytes;
         let exchange = async {
             let resp = upstream.send_streamed(request, None).await?;
             let (parts, body) = resp.into_parts();
@@ -163,14 +150,14 @@ impl ForwardJob {
                     OnUnknownOutcome::Hold => Outcome::Unknown,
                 };
                 if let Err(se) = self.finish(outcome, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
+                    tracing::warn!(route = %self.request.route().name, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");
                 }
                 Err(e.into())
             }
             Ok((mut parts, Captured::PassOn(body))) => {
                 // A retryable status: release, so a retry forwards again, then pass it on.
                 if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
-                    tracing::warn!(route = %self.route, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
+                    tracing::warn!(route = %self.request.route().name, error = %e, "could not release after a retryable status; the key stays in flight until its lease ends");
                 }
                 clean_response_headers(&mut parts.headers);
                 Ok(Response::from_parts(parts, body))
@@ -184,7 +171,7 @@ impl ForwardJob {
                     bytes.clone(),
                 );
                 self.settle(Outcome::Completed(stored), idem).await?;
-                tracing::debug!(route = %self.route, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
+                tracing::debug!(route = %self.request.route().name, status = parts.status.as_u16(), elapsed_ms = started.elapsed().as_millis() as u64, "stored");
                 Ok(Response::from_parts(parts, full(bytes)))
             }
             Ok((mut parts, Captured::TooLarge { head, rest })) => {
@@ -217,7 +204,7 @@ impl ForwardJob {
             Ok(true) => {}
             Ok(false) => self.lease_lost(),
             Err(e) => {
-                tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), error = %e, "observe: the answer could not be recorded; passed on anyway");
+                tracing::warn!(route = %self.request.route().name, key = %self.request.id, error = %e, "observe: the answer could not be recorded; passed on anyway");
             }
         }
         Ok(())
@@ -228,7 +215,7 @@ impl ForwardJob {
     /// another attempt may own the key.
     async fn record(&self, outcome: Outcome, ttl: Duration) -> Result<bool, GatewayError> {
         let mut last = None;
-        let bound = self.routing.config.store.record_bound();
+        let bound = self.request.routing.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
             if attempt > 0 && Instant::now() + bound >= self.lease_ends {
                 break;
@@ -240,7 +227,7 @@ impl ForwardJob {
                 // only started while our lease lasts, when no other attempt can have
                 // finished the key: a finished row is then ours.
                 Ok(false) if last.is_some() && self.finished_already().await => {
-                    tracing::info!(route = %self.route, key = %key_id(&self.scope, &self.key), "the outcome was recorded by an earlier try whose reply was lost");
+                    tracing::info!(route = %self.request.route().name, key = %self.request.id, "the outcome was recorded by an earlier try whose reply was lost");
                     return Ok(true);
                 }
                 Ok(false) => {
@@ -248,7 +235,7 @@ impl ForwardJob {
                     return Ok(false);
                 }
                 Err(e) => {
-                    tracing::warn!(route = %self.route, attempt, error = %e, "recording the outcome failed");
+                    tracing::warn!(route = %self.request.route().name, attempt, error = %e, "recording the outcome failed");
                     last = Some(e);
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
                 }
@@ -262,21 +249,32 @@ impl ForwardJob {
     /// One fenced write; `Ok(false)`: nothing was written (the lease was lost, or an
     /// earlier try wrote it), and our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
-        self.store
-            .finish(&self.scope, &self.key, &self.token, outcome, ttl)
+        self.request
+            .gateway
+            .store
+            .finish(
+                &self.request.scope,
+                &self.request.key,
+                &self.token,
+                outcome,
+                ttl,
+            )
             .await
     }
 
     /// Counts and logs a completion fenced off: another attempt took this key over.
     fn lease_lost(&self) {
-        self.metrics.lease(&self.route, "lost");
-        tracing::warn!(route = %self.route, key = %key_id(&self.scope, &self.key), "lease lost: another attempt took this key over; not recorded");
+        self.request
+            .gateway
+            .metrics
+            .lease(&self.request.route().name, "lost");
+        tracing::warn!(route = %self.request.route().name, key = %self.request.id, "lease lost: another attempt took this key over; not recorded");
     }
 
     /// Whether the key's row is finished (not in flight); a failed look says no.
     async fn finished_already(&self) -> bool {
         matches!(
-            self.store.inspect(&self.scope, &self.key).await,
+            self.request.gateway.store.inspect(&self.request.scope, &self.request.key).await,
             Ok(Some(row)) if row.state != "in_flight"
         )
     }
