@@ -94,7 +94,7 @@ pub(crate) struct RequestLog {
     /// The matched route's metric handles (and name).
     pub(crate) route: Option<Arc<crate::metrics::RouteHandles>>,
     pub(crate) outcome: &'static str,
-    pub(crate) key_id: Option<String>,
+    pub(crate) key_id: Option<crate::key::KeyId>,
     pub(crate) upstream: Option<Duration>,
     /// Request body bytes when known (a keyed body read whole).
     pub(crate) bytes_in: Option<u64>,

@@ -94,7 +94,7 @@ pub fn key_json(info: &KeyInfo) -> serde_json::Value {
         "lease_expires_at": info.lease_expires_at,
         "expires_at": info.expires_at,
         "fingerprint": info.fingerprint_hex,
-        "key_id": crate::wait::key_id(&info.scope, &info.key),
+        "key_id": crate::key::KeyId::of(&info.scope, &info.key).as_str(),
     })
 }
 
@@ -176,9 +176,9 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
                     .await
                     .map(|(info, live_lease)| {
                         // Our own replay cache forgets the key now, not on the NOTIFY.
-                        store
-                            .wakeups()
-                            .wake(&crate::wait::key_id(&info.scope, &key));
+                        gateway
+                            .inflight()
+                            .wake(crate::key::KeyId::of(&info.scope, &key).as_str());
                         if live_lease {
                             gateway.metrics().lease(&info.route, "force_deleted");
                         }

@@ -96,7 +96,7 @@ impl App {
                 false
             }
         };
-        store.start_background();
+        // Starts the store's background work too (the wake-up listener).
         let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
         if prepared {
             gateway.readiness().store_ready();

@@ -12,7 +12,7 @@
 //! JSON to the gateway (two parsers may read it two ways).
 //!
 //! The body is read by [`crate::json`], linear in its size whatever its shape, nested at
-//! most 128 deep; the gateway reads a large body off its serving thread (`gateway.rs`,
+//! most 128 deep; the gateway reads a large body off its serving thread (`gateway/keyed.rs`,
 //! `key_request`).
 //!
 //! Scopes from different sources never collide: the stored scope carries its source
@@ -25,6 +25,52 @@ use http::HeaderMap;
 use crate::config::{Idempotency, KeySource, ScopeSource};
 use crate::fingerprint::{hex, sha256};
 use crate::json::{Json, Node, has_duplicate_member};
+
+/// The identity of a key outside the store: 32 hex chars of SHA-256 over its scope, a zero
+/// byte and the key. What the access log, the key API, wake-ups (a `NOTIFY` payload) and the
+/// replay cache name a key by: short, fixed-size, and it carries neither the scope nor the
+/// key in clear. A scope's `serialize` slots have one too ([`KeyId::slots`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KeyId(String);
+
+impl KeyId {
+    /// The id of `key` in `scope`.
+    pub fn of(scope: &str, key: &str) -> KeyId {
+        KeyId::hashed(&[scope.as_bytes(), b"\0", key.as_bytes()])
+    }
+
+    /// The id of a scope's forwarding slots (`serialize`).
+    pub fn slots(scope: &str) -> KeyId {
+        KeyId::hashed(&[b"slots\0", scope.as_bytes()])
+    }
+
+    /// 32 hex chars of SHA-256 over `parts` one after another, fed to the hasher in place.
+    fn hashed(parts: &[&[u8]]) -> KeyId {
+        use sha2::Digest;
+        let mut hasher = sha2::Sha256::new();
+        for part in parts {
+            hasher.update(part);
+        }
+        let digest: crate::fingerprint::Fingerprint = hasher.finalize().into();
+        KeyId(hex(&digest[..16]))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for KeyId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<KeyId> for String {
+    fn from(id: KeyId) -> String {
+        id.0
+    }
+}
 
 /// Why a request's key or scope cannot be used; `problem.rs` maps each to its status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -338,6 +384,22 @@ fn scope(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[test]
+    fn key_ids_are_short_and_distinct() {
+        assert_eq!(KeyId::of("a", "b").as_str().len(), 32);
+        assert_ne!(KeyId::of("a", "bc"), KeyId::of("ab", "c"));
+        // SHA-256 of scope, a zero byte and key: the same id as every earlier release wrote
+        // in its logs.
+        assert_eq!(
+            KeyId::of("acct-1", "k").as_str(),
+            hex(&sha256(b"acct-1\0k")[..16])
+        );
+        assert_eq!(
+            KeyId::slots("acct-1").as_str(),
+            hex(&sha256(b"slots\0acct-1")[..16])
+        );
+    }
 
     #[test]
     fn header_keys_bare_and_quoted() {

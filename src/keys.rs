@@ -122,7 +122,7 @@ pub async fn delete(
             if live_lease {
                 tracing::warn!(
                     route = %info.route,
-                    key = %crate::wait::key_id(&info.scope, key),
+                    key = %crate::key::KeyId::of(&info.scope, key),
                     "forced delete of a key in flight under a live lease: a retry forwards again while the first attempt may still complete (a possible double)"
                 );
             }

@@ -20,11 +20,11 @@
 //! - [`key`]: key and scope extraction and validation.
 //! - [`fingerprint`]: SHA-256 over the parts that make two requests the same.
 //! - [`serialize`]: per-scope forwarding slots across instances (`serialize`).
-//! - [`cache`]: completed responses kept in memory so hot replays skip the store.
-//! - [`wait`]: the waiting loop for an in-flight key or a slot, and its backoff.
+//! - [`inflight`]: who waits for which in-flight key (subscriptions, shared lookups, the
+//!   waiting loop and its backoff), and the replay cache: completed responses kept in memory
+//!   so hot replays skip the store. The stores only announce to it ([`store::Announce`]).
 //! - [`store`]: the [`store::Store`] trait (claim / finish / inspect / delete), the
-//!   Postgres and embedded implementations with their SQL and migrations, and the wake-ups
-//!   the store owns (`store::wakeups`: subscriptions, announcements, shared lookups).
+//!   Postgres and embedded implementations with their SQL and migrations.
 //! - [`tls`]: rustls (ring) configurations for the listener, upstreams and PostgreSQL.
 //! - [`forward`]: upstream clients (HTTP/1.1 or h2), header hygiene, timeouts.
 //! - [`headers`]: the hop-by-hop header names (never forwarded, stored or replayed).
@@ -51,7 +51,6 @@ pub mod access;
 pub mod admin;
 pub mod app;
 pub mod body;
-pub mod cache;
 pub mod commands;
 pub mod config;
 #[cfg(feature = "demo")]
@@ -60,6 +59,7 @@ pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
 pub mod headers;
+pub mod inflight;
 pub mod json;
 pub mod key;
 pub mod keys;
@@ -77,7 +77,6 @@ pub mod store;
 pub mod timer;
 pub mod tls;
 pub mod tunnel;
-pub mod wait;
 
 #[cfg(feature = "demo")]
 pub use demo::{lab, process};

@@ -37,8 +37,9 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::SerializeConfig;
+use crate::inflight::{Backoff, Wakeups};
+use crate::key::KeyId;
 use crate::store::{Slot, Store, StoreError};
-use crate::wait::{self, slot_id};
 
 type Queues = Arc<Mutex<HashMap<String, ScopeQueue>>>;
 
@@ -93,6 +94,7 @@ impl Serializer {
     pub async fn acquire(
         &self,
         store: &dyn Store,
+        wakeups: &Wakeups,
         scope: &str,
         cfg: SerializeConfig,
         lease: Duration,
@@ -129,9 +131,8 @@ impl Serializer {
             return Ok(None);
         };
 
-        let wakeups = store.wakeups();
-        let sub = wakeups.subscribe_id(slot_id(scope));
-        let mut backoff = wait::Backoff::default();
+        let sub = wakeups.subscribe_id(KeyId::slots(scope));
+        let mut backoff = Backoff::default();
         loop {
             let woken = sub.next_wakeup();
             if Instant::now() >= deadline {

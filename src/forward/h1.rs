@@ -8,7 +8,7 @@
 //! its upstream connection: no hand-off. Measured on the plain hop (BENCHMARKS.md): 5% to
 //! 20% less gateway CPU per request, in A/B runs of the gateway alone.
 //!
-//! Used by plain and keyed forwards (`gateway::proxy`, `record::ForwardJob`) to `http://`
+//! Used by plain and keyed forwards (`gateway/plain.rs`, `gateway/record.rs`) to `http://`
 //! upstreams without `http2`; upgrades, h2 and TLS upstreams keep the pooled client (`mod.rs`).
 //!
 //! Invariants:

@@ -160,7 +160,7 @@ impl Gateway {
             route: log.route,
             outcome: log.outcome,
             status: resp.status().as_u16(),
-            key_id: log.key_id,
+            key_id: log.key_id.map(String::from),
             upstream: log.upstream,
             bytes_in: log.bytes_in.or(declared_in),
             error: error.map(|e| e.to_string()),

@@ -24,13 +24,14 @@ use crate::body::{RequestBody, read_body};
 use crate::config::{Idempotency, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{Body, ClientInfo, UpstreamClient, full};
+use crate::inflight::wait_in_flight;
+use crate::key::KeyId;
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::Admission;
 use crate::metrics::{observed, outcome};
 use crate::problem::GatewayError;
 use crate::routing::Routing;
 use crate::store::{Claim, ClaimRequest};
-use crate::wait::{self, key_id};
 
 impl Gateway {
     /// A keyed request: its body read, its key found, a hot replay answered here, anything
@@ -112,16 +113,16 @@ impl Gateway {
             }
             Err(e) => return Err(e),
         };
-        let id = key_id(&scope, &key);
-        // Hot replays skip the store (see cache.rs for why a hit is always a committed,
+        let id = KeyId::of(&scope, &key);
+        // Hot replays skip the store (see `inflight/cache.rs` for why a hit is always a committed,
         // unexpired answer to this very request). An observe route never replays.
         let cache = if observe {
             None
         } else {
-            self.store.wakeups().trusted_cache()
+            self.inflight.trusted_cache()
         };
         if let Some((cache, _)) = cache
-            && let Some(hit) = cache.get(&id, &fp)
+            && let Some(hit) = cache.get(id.as_str(), &fp)
         {
             log.key_id = Some(id);
             log.outcome = outcome::REPLAYED;
@@ -211,7 +212,7 @@ pub(super) struct KeyedRequest {
     client: ClientInfo,
     pub(super) scope: String,
     pub(super) key: String,
-    pub(super) id: String,
+    pub(super) id: KeyId,
     fp: Fingerprint,
     cache_epoch: Option<u64>,
     /// The buffered bytes (and, once forwarded, the upstream slot), held until this task
@@ -341,8 +342,9 @@ impl KeyedRequest {
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
-                match Box::pin(wait::wait_in_flight(
+                match Box::pin(wait_in_flight(
                     gateway.store.as_ref(),
+                    &gateway.inflight,
                     claim,
                     deadline,
                 ))
@@ -398,7 +400,7 @@ impl KeyedRequest {
                 if let Some(epoch) = self.cache_epoch
                     && crate::json::has_duplicate_member(&body) != Some(true)
                 {
-                    gateway.store.wakeups().cache_fill(
+                    gateway.inflight.cache_fill(
                         epoch,
                         id.clone(),
                         self.fp,

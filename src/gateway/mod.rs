@@ -43,9 +43,9 @@ use std::sync::{Arc, RwLock};
 use http::header::HeaderName;
 use tokio::sync::Notify;
 
-use crate::cache::ReplayCache;
 use crate::config::Config;
 use crate::forward::UpstreamClient;
+use crate::inflight::Wakeups;
 use crate::limits::{Admission, ByteBudget, UpstreamLimit};
 use crate::metrics::Metrics;
 use crate::problem::GatewayError;
@@ -73,6 +73,8 @@ pub struct Gateway {
     pub(crate) store: Arc<dyn Store>,
     jobs: Arc<Jobs>,
     pub(crate) serializer: Arc<Serializer>,
+    /// Who waits for which in-flight key, and the replay cache; the store announces to it.
+    pub(crate) inflight: Arc<Wakeups>,
     pub(crate) metrics: Arc<Metrics>,
     /// Admission counters by upstream name, kept across reloads.
     limits: std::sync::Mutex<std::collections::HashMap<String, Arc<UpstreamLimit>>>,
@@ -164,8 +166,8 @@ impl Drop for JobGuard {
 
 impl Gateway {
     pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Gateway {
-        let cache = Arc::new(ReplayCache::new(config.replay_cache_bytes));
-        store.wakeups().attach_cache(Arc::clone(&cache));
+        let inflight = Arc::new(Wakeups::new(config.replay_cache_bytes));
+        store.start_background(Arc::clone(&inflight) as Arc<dyn crate::store::Announce>);
         let metrics = Arc::new(Metrics::new(store.metrics()));
         let jobs = Arc::new(Jobs {
             gauge: metrics.forwards_in_flight.clone(),
@@ -190,6 +192,7 @@ impl Gateway {
             store,
             jobs,
             serializer: Arc::default(),
+            inflight,
             metrics,
             limits,
             budget,
@@ -353,7 +356,7 @@ impl Gateway {
     /// Refreshes the gauges read at scrape time and renders every metric.
     pub fn render_metrics(&self, format: crate::metrics::Format) -> String {
         self.store.observe_pool();
-        let wakeups = self.store.wakeups();
+        let wakeups = &self.inflight;
         self.metrics
             .wakeups_healthy
             .set(i64::from(wakeups.healthy()));
@@ -366,6 +369,11 @@ impl Gateway {
     /// The forward jobs in flight.
     pub fn jobs(&self) -> &Jobs {
         &self.jobs
+    }
+
+    /// Who waits for which in-flight key, and the replay cache.
+    pub fn inflight(&self) -> &Wakeups {
+        &self.inflight
     }
 
     pub fn store(&self) -> &Arc<dyn Store> {

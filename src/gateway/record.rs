@@ -76,7 +76,14 @@ impl Claimed {
                     - self.request.routing.config.store.record_bound() * 2;
                 let got = gateway
                     .serializer
-                    .acquire(store, &self.request.scope, ser, idem.lease, last_start)
+                    .acquire(
+                        store,
+                        &gateway.inflight,
+                        &self.request.scope,
+                        ser,
+                        idem.lease,
+                        last_start,
+                    )
                     .await;
                 match got {
                     Ok(Some(held)) => Some(held),

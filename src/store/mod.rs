@@ -9,9 +9,13 @@
 //! - A row is never `completed` without its whole response in the same statement.
 //! - Every call is bounded in time: it returns [`StoreError`] instead of hanging.
 //!
+//! A store announces what happens to keys ([`Announce`]: a key finished, announcements
+//! flowing or not); it never waits for one. Waiting, and the replay cache those announcements
+//! keep honest, belong to the gateway (`crate::inflight`).
+//!
 //! The protocol these statements make with the gateway's steps (claim, forward, record,
-//! release, delete, expiry) is written as a state machine in `model.rs` and model-checked by
-//! the unit tests, faults included; its doc maps each step to the code.
+//! release, delete, expiry) is written as a state machine in the tests (`tests/it/model.rs`)
+//! and model-checked there, faults included; its doc maps each step to the code.
 //!
 //! Two implementations: [`postgres::PgStore`] (many instances, production) and, with the
 //! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
@@ -25,7 +29,6 @@ pub mod pg_migrate;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
-pub mod wakeups;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -35,9 +38,26 @@ use std::time::Duration;
 use crate::fingerprint::Fingerprint;
 use crate::metrics::StoreMetrics;
 use crate::replay::StoredResponse;
-use wakeups::Wakeups;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where a store announces what happens to keys, for whoever waits for them (the gateway's
+/// in-flight registry, `crate::inflight::Wakeups`). Ids are [`crate::key::KeyId`]s, as a
+/// `NOTIFY` payload carries them.
+pub trait Announce: Send + Sync {
+    /// The key (or a scope's slots) with this id was finished: completed, released, held,
+    /// deleted, or a slot freed.
+    fn wake(&self, id: &str);
+    /// Announcements may have been missed (a listener reconnected): everyone looks again.
+    fn wake_all(&self);
+    /// Whether announcements reach this instance now.
+    fn set_healthy(&self, healthy: bool);
+    fn healthy(&self) -> bool;
+    /// A listener session was established (counted for tests and metrics).
+    fn listener_session(&self) {}
+    /// A listener connection was replaced: a probe sent through the pool was not heard.
+    fn listener_replaced(&self) {}
+}
 
 /// Why the store could not answer. Every variant means: assume nothing was written.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -376,18 +396,16 @@ pub trait Store: Send + Sync + 'static {
         Box::pin(async { Ok(pg_migrate::OnlineRun::default()) })
     }
 
-    /// Starts what runs beside the requests (the Postgres wake-up listener). Must be called
-    /// inside a Tokio runtime; without it, waiters poll.
-    fn start_background(&self) {}
+    /// Starts what runs beside the requests (the Postgres wake-up listener) and names where
+    /// the store announces finished keys from then on (the first call's `announce` stays).
+    /// Must be called inside a Tokio runtime; without it, waiters poll.
+    fn start_background(&self, announce: Arc<dyn Announce>);
 
     /// The store's own metrics (operation latency, pool wait, pool state).
     fn metrics(&self) -> &StoreMetrics;
 
     /// Refreshes gauges read at scrape time (pool state).
     fn observe_pool(&self) {}
-
-    /// Where local waiters for in-flight keys are woken when a key is finished.
-    fn wakeups(&self) -> &Arc<Wakeups>;
 
     /// Whether the store answers, keeps what it commits (see [`Store::durability`]) and its
     /// schema is current.

@@ -24,8 +24,8 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
+use super::Announce;
 use super::postgres::CHANNEL;
-use super::wakeups::Wakeups;
 
 /// How often a live listener proves again that notifications arrive.
 pub const REPROBE: Duration = Duration::from_secs(30);
@@ -42,7 +42,7 @@ static PROBES: AtomicU64 = AtomicU64::new(0);
 /// Dispatches a listener connection's notifications until it ends.
 fn spawn_driver<S, T>(
     mut conn: tokio_postgres::Connection<S, T>,
-    wakeups: Arc<Wakeups>,
+    announce: Arc<dyn Announce>,
     probe_tx: mpsc::UnboundedSender<String>,
 ) -> tokio::task::JoinHandle<()>
 where
@@ -56,7 +56,7 @@ where
                     Some(nonce) => {
                         let _ = probe_tx.send(nonce.to_string());
                     }
-                    None => wakeups.wake(n.payload()),
+                    None => announce.wake(n.payload()),
                 },
                 Ok(_) => {}
                 Err(e) => {
@@ -73,14 +73,14 @@ where
 pub async fn run(
     mut pg: tokio_postgres::Config,
     pool: Pool,
-    wakeups: Arc<Wakeups>,
+    announce: Arc<dyn Announce>,
     tls: Option<MakeRustlsConnect>,
 ) {
     pg.application_name(APPLICATION_NAME);
     let mut backoff = BACKOFF_MIN;
     loop {
         let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<String>();
-        let wk = Arc::clone(&wakeups);
+        let wk = Arc::clone(&announce);
         let connected = match &tls {
             None => pg
                 .connect(NoTls)
@@ -94,7 +94,7 @@ pub async fn run(
         let (client, mut driver) = match connected {
             Ok(pair) => pair,
             Err(e) => {
-                wakeups.set_healthy(false);
+                announce.set_healthy(false);
                 tracing::debug!(error = %e, "wake-up listener cannot connect; retrying");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(BACKOFF_MAX);
@@ -108,18 +108,15 @@ pub async fn run(
             backoff = (backoff * 2).min(BACKOFF_MAX);
             continue;
         }
-        wakeups
-            .stats
-            .listener_sessions
-            .fetch_add(1, Ordering::Relaxed);
+        announce.listener_session();
         let mut replace = false;
         loop {
             let found = probe(&pool, &mut probe_rx).await;
             let ok = found == Probe::Heard;
-            if !ok && wakeups.healthy() {
+            if !ok && announce.healthy() {
                 tracing::warn!("a probe notification did not come back; waiters poll");
             }
-            wakeups.set_healthy(ok);
+            announce.set_healthy(ok);
             if found == Probe::Unheard {
                 // Sent and not heard: this connection hears nothing. Replace it.
                 tracing::warn!(
@@ -136,16 +133,13 @@ pub async fn run(
                 _ = &mut driver => break,
             }
         }
-        wakeups.set_healthy(false);
+        announce.set_healthy(false);
         driver.abort();
         drop(client);
         if replace {
             // A listener that keeps not hearing (`listen_url` through a pooler in transaction
             // mode, say) is replaced at a growing interval, not in a loop.
-            wakeups
-                .stats
-                .listener_replaced
-                .fetch_add(1, Ordering::Relaxed);
+            announce.listener_replaced();
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(BACKOFF_MAX);
         }

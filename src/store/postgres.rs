@@ -82,13 +82,13 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::pg_batch::{Item, Limits, Queue, Waiting, answer_all};
-use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
-    BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
-    Outcome, Slot, Store, StoreError,
+    Announce, BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo,
+    LeaseToken, Outcome, Slot, Store, StoreError,
 };
 use crate::config::{PgTlsMode, Pooler, PostgresConfig};
 use crate::fingerprint::hex;
+use crate::key::KeyId;
 use crate::metrics::StoreMetrics;
 
 use super::pg_migrate::BACKFILL_GC_AFTER_SQL;
@@ -223,7 +223,7 @@ const CLAIM_TYPES: &[Type] = &[
     Type::BOOL,
 ];
 
-/// The channel on which finished keys are announced; the payload is [`super::wakeups::key_id`].
+/// The channel on which finished keys are announced; the payload is a [`KeyId`].
 pub const CHANNEL: &str = "idemgate_keys";
 
 /// The completion of a claimed attempt, fenced by its lease token.
@@ -421,7 +421,6 @@ pub struct PgStore {
     db: Arc<Db>,
     /// The wake-up listener's own connection (`listen_url`, a direct session).
     listen: tokio_postgres::Config,
-    wakeups: Arc<Wakeups>,
     listener: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// `store.postgres.allow_async_commit`.
     allow_async_commit: bool,
@@ -915,7 +914,6 @@ impl PgStore {
             }),
             db,
             listen,
-            wakeups: Arc::default(),
             listener: std::sync::Mutex::new(None),
             allow_async_commit: cfg.allow_async_commit,
         })
@@ -939,15 +937,16 @@ impl PgStore {
         ))
     }
 
-    /// Starts the wake-up listener (one extra connection, outside the pool). Without it,
-    /// waiters for in-flight keys poll. Idempotent; must run inside a Tokio runtime.
-    pub fn start_listener(&self) {
+    /// Starts the wake-up listener (one extra connection, outside the pool), which announces
+    /// what it hears to `announce`. Without it, waiters for in-flight keys poll. Idempotent;
+    /// must run inside a Tokio runtime.
+    pub fn start_listener(&self, announce: Arc<dyn Announce>) {
         let mut slot = self.listener.lock().expect("listener lock");
         if slot.is_none() {
             *slot = Some(tokio::spawn(super::pg_listener::run(
                 self.listen.clone(),
                 self.db.pool.clone(),
-                Arc::clone(&self.wakeups),
+                announce,
                 self.db.tls.clone(),
             )));
         }
@@ -1137,7 +1136,7 @@ struct FinishParams<'a> {
     key: &'a str,
     token: &'a str,
     ttl_ms: i64,
-    /// The key's wake-up id ([`key_id`]), the payload of its announcement.
+    /// The key's wake-up id ([`KeyId`]), the payload of its announcement.
     id: &'a str,
 }
 
@@ -1434,7 +1433,7 @@ impl Store for PgStore {
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
             let started = std::time::Instant::now();
-            let id = key_id(scope, key);
+            let id = String::from(KeyId::of(scope, key));
             let f = FinishParams {
                 scope,
                 key,
@@ -1509,7 +1508,7 @@ impl Store for PgStore {
                     c.query(
                         DELETE_SQL,
                         DELETE_TYPES,
-                        &[&scope, &key, &force, &key_id(scope, key)],
+                        &[&scope, &key, &force, &KeyId::of(scope, key).as_str()],
                     )
                     .await
                 })
@@ -1608,7 +1607,7 @@ impl Store for PgStore {
 
     fn release_slot<'a>(&'a self, slot: &'a Slot) -> BoxFuture<'a, Result<bool, StoreError>> {
         Box::pin(async move {
-            let id = slot_id(&slot.scope);
+            let id = String::from(KeyId::slots(&slot.scope));
             let rows = self
                 .db
                 .with_conn("release_slot", async |c| {
@@ -1651,12 +1650,8 @@ impl Store for PgStore {
         gauge("waiting", status.waiting);
     }
 
-    fn start_background(&self) {
-        self.start_listener();
-    }
-
-    fn wakeups(&self) -> &Arc<Wakeups> {
-        &self.wakeups
+    fn start_background(&self, announce: Arc<dyn Announce>) {
+        self.start_listener(announce);
     }
 
     fn durability(&self) -> BoxFuture<'_, Result<(), StoreError>> {

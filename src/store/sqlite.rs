@@ -26,13 +26,13 @@ use std::time::{Duration, Instant};
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::wakeups::{Wakeups, key_id, slot_id};
 use super::{
-    BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo, LeaseToken,
-    Outcome, Slot, Store, StoreError,
+    Announce, BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo,
+    LeaseToken, Outcome, Slot, Store, StoreError,
 };
 use crate::config::SqliteConfig;
 use crate::fingerprint::hex;
+use crate::key::KeyId;
 use crate::metrics::StoreMetrics;
 
 /// Migrations of the embedded store, applied in order in one transaction.
@@ -61,7 +61,8 @@ type Job = Box<dyn FnOnce(&mut Connection) + Send>;
 pub struct SqliteStore {
     jobs: mpsc::Sender<(Instant, Job)>,
     bound: Duration,
-    wakeups: Arc<Wakeups>,
+    /// Where finished keys are announced (set by `start_background`; nothing waits before).
+    announce: std::sync::OnceLock<Arc<dyn Announce>>,
     path: PathBuf,
     /// Held (locked) for the store's life: one instance per file.
     _lock: File,
@@ -78,6 +79,13 @@ fn sqlite_error(e: rusqlite::Error) -> StoreError {
 }
 
 impl SqliteStore {
+    /// Tells the waiters of `id` (if anyone listens yet) that it was finished.
+    fn announce(&self, id: KeyId) {
+        if let Some(announce) = self.announce.get() {
+            announce.wake(id.as_str());
+        }
+    }
+
     /// Opens (creating if needed) the file, takes the instance lock, sets WAL mode and
     /// starts the store thread.
     pub fn open(cfg: &SqliteConfig) -> Result<SqliteStore, StoreError> {
@@ -134,12 +142,10 @@ impl SqliteStore {
                 }
             })
             .map_err(|e| StoreError::Connect(format!("cannot start the store thread: {e}")))?;
-        let wakeups = Arc::new(Wakeups::default());
-        wakeups.set_healthy(true); // in-process wake-ups always flow
         Ok(SqliteStore {
             jobs: tx,
             bound: cfg.busy_timeout + QUEUE_BOUND,
-            wakeups,
+            announce: std::sync::OnceLock::new(),
             path: cfg.path.clone(),
             _lock: lock,
             metrics: StoreMetrics::default(),
@@ -376,7 +382,7 @@ impl Store for SqliteStore {
                 })
                 .await?;
             if n == 1 {
-                self.wakeups.wake(&key_id(scope, key));
+                self.announce(KeyId::of(scope, key));
             }
             Ok(n == 1)
         })
@@ -467,7 +473,7 @@ impl Store for SqliteStore {
                 })
                 .await?;
             if matches!(done, Deleted::Yes { .. }) {
-                self.wakeups.wake(&key_id(scope, key));
+                self.announce(KeyId::of(scope, key));
             }
             Ok(done)
         })
@@ -566,7 +572,7 @@ impl Store for SqliteStore {
                     )
                 })
                 .await?;
-            self.wakeups.wake(&slot_id(&slot.scope));
+            self.announce(KeyId::slots(&slot.scope));
             Ok(done == 1)
         })
     }
@@ -579,8 +585,10 @@ impl Store for SqliteStore {
         &self.metrics
     }
 
-    fn wakeups(&self) -> &Arc<Wakeups> {
-        &self.wakeups
+    fn start_background(&self, announce: Arc<dyn Announce>) {
+        // In-process announcements always flow.
+        announce.set_healthy(true);
+        let _ = self.announce.set(announce);
     }
 
     fn ready(&self) -> BoxFuture<'_, Result<(), StoreError>> {

@@ -528,7 +528,7 @@ fn check(
         let Some((scope, key)) = scopes.iter().find(|(_, k)| k == event) else {
             return 0;
         };
-        let id = idemgate::wait::key_id(scope, key);
+        let id = idemgate::key::KeyId::of(scope, key).to_string();
         logs.lines()
             .filter(|l| l.contains(what) && l.contains(&id))
             .count()

@@ -67,7 +67,7 @@ async fn a_completion_on_one_instance_wakes_waiters_on_the_other(b: Backend) {
     all.extend(replies);
     assert_one_answer(&all);
     assert_eq!(up.executions(), 1);
-    let stats = &b.store.wakeups().stats;
+    let stats = &b.gateway.inflight().stats;
     assert!(
         stats.woken.load(Ordering::Relaxed) >= 1,
         "B was woken by A's NOTIFY"
@@ -84,7 +84,7 @@ async fn a_dead_listener_reconnects_by_itself(b: Backend) {
     let up = Upstream::start().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     wakeups_flow(&gw).await;
-    let stats = &gw.store.wakeups().stats;
+    let stats = &gw.gateway.inflight().stats;
     assert_eq!(stats.listener_sessions.load(Ordering::Relaxed), 1);
     let killed = gw
         .sql()
@@ -118,7 +118,7 @@ async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
     let up = Upstream::start().await;
     let (gw, _db) = TestGateway::on(Backend::Postgres, &up, "").await;
     wakeups_flow(&gw).await;
-    let stats = &gw.store.wakeups().stats;
+    let stats = &gw.gateway.inflight().stats;
     let db = gw.sql().await;
     let pids: Vec<i32> = db
         .query(
@@ -157,10 +157,10 @@ async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) 
     .await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;
     let gw = TestGateway::start_config(without_wakeups(&yaml), &db).await;
-    assert!(!gw.store.wakeups().healthy());
+    assert!(!gw.gateway.inflight().healthy());
     assert_one_answer(&storm(&[gw.url("/pay")], 20, "polled").await);
     assert_eq!(up.executions(), 1);
-    assert_eq!(gw.store.wakeups().stats.woken.load(Ordering::Relaxed), 0);
+    assert_eq!(gw.gateway.inflight().stats.woken.load(Ordering::Relaxed), 0);
 }
 
 async fn thirty_duplicates_across_two_gateway_processes_execute_once(b: Backend) {

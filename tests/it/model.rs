@@ -2,7 +2,7 @@
 //! bounds (tests only, with stateright): clients retrying one (scope, key), several gateway
 //! instances, the key's row with its lease and token, an upstream that executes, and the
 //! faults. It is the `Store` (src/store/mod.rs) contract seen from above: what the statements
-//! of `postgres.rs` and the steps of `gateway.rs` do to one key, one step at a time.
+//! of `postgres.rs` and the steps of `src/gateway/` do to one key, one step at a time.
 //!
 //! # The state
 //!
@@ -18,7 +18,7 @@
 //! - Time: no clock. A lease ends by a step of its own that may come at any moment, even
 //!   while its holder still works (a paused process, a slow pool): the holder may still
 //!   write after it, and only the fence makes that write a no-op. The real gateway does not
-//!   start a record retry past its lease (`ForwardJob::record`) and checks at load that
+//!   start a record retry past its lease (`Claimed::record`) and checks at load that
 //!   `lease` outlasts the upstream's `timeout`; the model does not count on either. A row's
 //!   `ttl` passes only after its lease ended (`lease` <= `ttl` is checked at load).
 //! - Every check starts from both `on_unknown_outcome: reforward` and `hold`.
@@ -27,13 +27,13 @@
 //!
 //! | transition | code |
 //! |---|---|
-//! | `Claim` | `KeyedWork::run` → `Store::claim`: CLAIM_SQL in `PgStore::claim_once`, one statement: inserts, or takes over a row whose `ttl` passed or an in-flight row whose lease ended (not under `hold`: `Claim::Held`), or reports what is there (`Completed`: a replay; `InFlight`: 409). `took_over` comes from `attempts` and is counted `taken_over`. |
+//! | `Claim` | `KeyedRequest::work` → `Store::claim`: CLAIM_SQL in `PgStore::claim_once`, one statement: inserts, or takes over a row whose `ttl` passed or an in-flight row whose lease ended (not under `hold`: `Claim::Held`), or reports what is there (`Completed`: a replay; `InFlight`: 409). `took_over` comes from `attempts` and is counted `taken_over`. |
 //! | `ClaimFails { applied }` | a store error on the claim: 503 `store-unavailable`, nothing forwarded; `applied`: the statement committed but its answer was lost. |
-//! | `Upstream { Answers }` | `ForwardJob::forward`: `upstream.send_streamed`, body read whole (`Captured::Whole`). |
-//! | `Upstream { TimesOutAfterWork / TimesOutBeforeWork }` | `ForwardJob::forward`: `UpstreamError::Timeout`, 504, counted `upstream_timeout`; the upstream did the work or not. |
-//! | `Finish` (answered) | `ForwardJob::record` → `ForwardJob::finish` → `Store::finish(Outcome::Completed)`: FINISH_SQL, fenced by `lease_token` and `state = 'in_flight'`. `Ok(false)`: counted `lost`, and the client still gets the upstream's answer (docs/contract.md §2.6). |
+//! | `Upstream { Answers }` | `Claimed::forward`: `upstream.send_streamed`, body read whole (`Captured::Whole`). |
+//! | `Upstream { TimesOutAfterWork / TimesOutBeforeWork }` | `Claimed::forward`: `UpstreamError::Timeout`, 504, counted `upstream_timeout`; the upstream did the work or not. |
+//! | `Finish` (answered) | `Claimed::record` → `Claimed::finish` → `Store::finish(Outcome::Completed)`: FINISH_SQL, fenced by `lease_token` and `state = 'in_flight'`. `Ok(false)`: counted `lost`, and the client still gets the upstream's answer (docs/contract.md §2.6). |
 //! | `Finish` (unknown) | `Store::finish(Outcome::Release)`: RELEASE_SQL (`reforward`), or `Outcome::Unknown`: FINISH_SQL with `'unknown'` (`hold`); both fenced. |
-//! | `FinishFails { applied }` | a store error on that write. After an answer, `ForwardJob::record` tries again (`Finish`) or gives up (`GiveUp`: 503 `store-unavailable`); a failed release or hold is logged and left to the lease. |
+//! | `FinishFails { applied }` | a store error on that write. After an answer, `Claimed::record` tries again (`Finish`) or gives up (`GiveUp`: 503 `store-unavailable`); a failed release or hold is logged and left to the lease. |
 //! | `Crash { work_done }` | the instance dies; `work_done`: the upstream executed what it had been sent. |
 //! | `LeaseExpires` | the database clock passes `lease_expires_at`. |
 //! | `TtlExpires` | the database clock passes `expires_at`: CLAIM_SQL's `k.expires_at <= now()` then inserts afresh. |
@@ -188,12 +188,12 @@ enum Phase {
         takeover: bool,
     },
     /// `Claim::Acquired`; the request is on its way to the upstream or there
-    /// (`ForwardJob::run`, `ForwardJob::forward`).
+    /// (`Claimed::run`, `Claimed::forward`).
     Forwarding {
         token: Token,
         life: LifeId,
     },
-    /// A storable answer was read whole; `ForwardJob::record` is writing it. `failed`: a
+    /// A storable answer was read whole; `Claimed::record` is writing it. `failed`: a
     /// write failed already, so the record loop may try again or give up; `answered`: the
     /// client already has it (broken variant only).
     Answered {
@@ -508,7 +508,7 @@ enum Action {
     Finish { gateway: u8 },
     /// The store does not answer that write. `applied`: it committed all the same.
     FinishFails { gateway: u8, applied: bool },
-    /// `ForwardJob::record` stops trying: 503 to the client.
+    /// `Claimed::record` stops trying: 503 to the client.
     GiveUp { gateway: u8 },
     /// The instance dies. `work_done`: the upstream executed what it had been sent.
     Crash { gateway: u8, work_done: bool },
@@ -589,7 +589,7 @@ impl Protocol {
             expired: false,
         });
         n.live |= bit(token);
-        // `PgStore::claim_once`: `took_over: attempts > 1`, which `KeyedWork::run` counts.
+        // `PgStore::claim_once`: `took_over: attempts > 1`, which `KeyedRequest::work` counts.
         if attempts > 1 {
             n.lives[life as usize].counted_takeovers += 1;
         }
@@ -834,7 +834,7 @@ impl Model for Protocol {
                         }
                         let written = self.complete(&mut n, token, exec);
                         if !written {
-                            // `ForwardJob::finish`: the lease was lost, counted and logged;
+                            // `Claimed::finish`: the lease was lost, counted and logged;
                             // the client still gets what the upstream said.
                             n.seen |= seen::LEASE_LOST;
                         }

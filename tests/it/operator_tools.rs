@@ -350,8 +350,8 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());
     let hits = gw
-        .store
-        .wakeups()
+        .gateway
+        .inflight()
         .trusted_cache()
         .map(|(c, _)| c.hits.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(hits, Some(1), "the second replay came from memory");
@@ -370,7 +370,7 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
     let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
     assert_eq!(deleted.status, 204);
     assert!(
-        gw.store.wakeups().trusted_cache().is_some(),
+        gw.gateway.inflight().trusted_cache().is_some(),
         "the cache is still trusted: nothing but the delete itself evicts the key"
     );
     let after = post(&c, &gw, "a", "k", "x").await;

@@ -8,8 +8,8 @@ use idemgate::store::Deleted;
 use crate::support::*;
 
 fn hits(gw: &TestGateway) -> u64 {
-    gw.store
-        .wakeups()
+    gw.gateway
+        .inflight()
         .trusted_cache()
         .map(|(c, _)| c.hits.load(Ordering::Relaxed))
         .unwrap_or(0)
@@ -134,5 +134,5 @@ async fn without_wake_ups_the_cache_is_not_used() {
     post(&c, &gw, "a", "k", "x").await;
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());
     assert_eq!(hits(&gw), 0);
-    assert!(gw.store.wakeups().trusted_cache().is_none());
+    assert!(gw.gateway.inflight().trusted_cache().is_none());
 }

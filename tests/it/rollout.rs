@@ -125,7 +125,7 @@ async fn observe_forwards_every_duplicate_counts_what_enforcing_would_have_done_
     assert_eq!(requests(&text, "observed"), 3.0);
 
     // Each is logged with the key's id (its hash), never the key itself.
-    let id = idemgate::wait::key_id(&scoped("a"), "k1");
+    let id = idemgate::key::KeyId::of(&scoped("a"), "k1").to_string();
     wait_until(
         "the three observations are logged",
         Duration::from_secs(10),
@@ -479,7 +479,7 @@ async fn a_keyed_request_in_flight_when_the_drain_delay_ends_completes_is_record
 /// Observe mode on a key whose first attempt left no answer to replay: held (outcome
 /// unknown under `on_unknown_outcome: hold`) or not replayable (too large to store).
 /// Enforcing would answer 502 without forwarding; observe forwards and counts both as
-/// `would_replay` (src/gateway.rs: enforcing would not have forwarded them).
+/// `would_replay` (src/gateway/keyed.rs: enforcing would not have forwarded them).
 #[tokio::test]
 async fn observe_forwards_held_and_not_replayable_keys_and_counts_them_as_would_replay() {
     let up = Upstream::start_with(Behavior {

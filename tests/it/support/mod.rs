@@ -653,7 +653,7 @@ pub async fn at_once(
 /// Waits until the store's wake-ups flow (the listener is up and its probe came back).
 pub async fn wakeups_flow(gw: &TestGateway) {
     wait_until("wake-ups flow", Duration::from_secs(10), || async {
-        gw.store.wakeups().healthy()
+        gw.gateway.inflight().healthy()
     })
     .await;
 }

@@ -7,7 +7,7 @@
 //! - An entry never outlives its row: its local expiry is computed from a clock reading taken
 //!   before the store reported the row's remaining `ttl`, so it ends no later than the row
 //!   does in database time.
-//! - It is trusted only while the store's wake-ups flow ([`crate::store::wakeups::Wakeups`]): every
+//! - It is trusted only while the store's announcements flow ([`super::Wakeups`]): every
 //!   announcement about a key (a completion, a release, an operator's delete) evicts that
 //!   key, and when announcements stop (the listener is down) the whole cache is dropped and
 //!   bypassed until they flow again. So an operator's `keys delete` on any instance is seen
@@ -16,7 +16,7 @@
 //! - A hit requires the same fingerprint; anything else goes to the store, which decides
 //!   (a different fingerprint is a 422 there).
 //! - Only a body without a repeated JSON member name (or not JSON at all) enters it
-//!   (`gateway.rs`, `KeyedWork::run`): a hit skips the repeated-member check, which a raw
+//!   (`gateway/keyed.rs`, `KeyedRequest::work`): a hit skips the repeated-member check, which a raw
 //!   fingerprint equal to the entry's (the same bytes) could not fail.
 //! - A fill is conditional on the cache's epoch ([`ReplayCache::epoch`], read before the
 //!   store read that produced the response), and the check and the insert happen under the
@@ -53,7 +53,8 @@ struct Inner {
     generation: u64,
 }
 
-/// See the module docs.
+/// See the module docs. The default holds nothing (disabled).
+#[derive(Default)]
 pub struct ReplayCache {
     max_bytes: usize,
     inner: Mutex<Inner>,

@@ -1,15 +1,12 @@
 //! Waiting for an in-flight key or a `serialize` slot: the loop and its backoff.
 //!
-//! The store owns the wake-ups (`store/wakeups.rs`: subscriptions, announcements, shared
-//! lookups, the replay cache they keep honest); this module only decides when to look
-//! again: when woken, at least every [`SAFETY_POLL`] while wake-ups flow, with a backoff
+//! The registry (`mod.rs`: subscriptions, announcements, shared lookups) says who is woken;
+//! this file only decides when to look again: when woken, at least every [`SAFETY_POLL`] while wake-ups flow, with a backoff
 //! from [`POLL_MIN`] to [`POLL_MAX`] while they do not, and when the holder's lease ends.
 
 use tokio::time::Instant;
 
-pub use crate::store::wakeups::{
-    KeyWait, POLL_MAX, POLL_MIN, SAFETY_POLL, Subscription, WaitStats, Wakeups, key_id, slot_id,
-};
+use super::{POLL_MAX, POLL_MIN, SAFETY_POLL, Wakeups};
 use crate::store::{Claim, ClaimRequest, Store, StoreError};
 use std::time::Duration;
 
@@ -40,15 +37,15 @@ impl Backoff {
 
 /// Waits for an in-flight key until it is finished or `deadline` passes; returns what the
 /// key holds then (never `InFlight`) and when the look that found it started, or `None`
-/// when the deadline passed first. Waiters are woken by the store's announcements (see the
-/// module docs), look again when the holder's lease ends (it may have crashed), and share
+/// when the deadline passed first. Waiters are woken by the store's announcements (see
+/// `mod.rs`), look again when the holder's lease ends (it may have crashed), and share
 /// their lookups.
 pub async fn wait_in_flight(
     store: &dyn Store,
+    wakeups: &Wakeups,
     req: ClaimRequest<'_>,
     deadline: Instant,
 ) -> Result<Option<(Claim, Instant)>, StoreError> {
-    let wakeups = store.wakeups();
     let sub = wakeups.subscribe(req.scope, req.key);
     let mut since = Instant::now();
     let mut backoff = Backoff::default();

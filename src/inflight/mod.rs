@@ -1,15 +1,16 @@
-//! Wake-ups for in-flight keys, owned by the store: who waits for which key, how a store's
-//! announcements reach them, and lookups shared per key. (The waiting loop itself is
-//! `crate::wait`.)
+//! In-flight keys: who waits for which key, the announcements that wake them, the shared
+//! lookups, and the replay cache that those announcements keep honest. The stores only
+//! announce (the [`Announce`] trait, which [`Wakeups`] implements); everything that waits is
+//! here, and the waiting loop itself is `wait.rs`.
 //!
 //! A request that finds its key in flight subscribes to the key in [`Wakeups`] and waits.
-//! Whoever finishes a key (completes, releases or holds it) makes the store wake its waiters:
-//! the Postgres store sends `NOTIFY` in the same statement as the write, when a waiter has
-//! asked for it ([`Store::watch`] marks the row), and a listener connection feeds
-//! [`Wakeups::wake`] in every instance; an embedded store wakes them directly. A woken waiter looks the key up again through [`KeyWait::lookup`], which runs
-//! ONE claim statement for all local waiters with the same fingerprint that woke for the same
-//! event, and shares its answer: thirty local duplicates cost one query per wake-up, not
-//! thirty.
+//! Whoever finishes a key (completes, releases or holds it) makes the store announce it: the
+//! Postgres store sends `NOTIFY` in the same statement as the write, when a waiter has asked
+//! for it ([`Store::watch`] marks the row), and its listener connection announces what it
+//! hears in every instance; an embedded store announces directly. A woken waiter looks the key
+//! up again through [`Subscription::lookup`], which runs ONE claim statement for all local
+//! waiters with the same fingerprint that woke for the same event, and shares its answer:
+//! thirty local duplicates cost one query per wake-up, not thirty.
 //!
 //! Invariants:
 //! - A waiter subscribes before its second look at the row, so a finish between the two
@@ -18,10 +19,12 @@
 //!   reflects every write that caused the wake-up.
 //! - Only the waiter whose own query claimed the key gets [`Claim::Acquired`]; the others see
 //!   [`Claim::InFlight`] (a local request owns it now) and keep waiting.
-//! - When wake-ups are not flowing ([`Wakeups::healthy`] is false: the listener is down, or a
-//!   pooler in transaction mode swallows notifications), waiters poll with a bounded backoff;
-//!   when they are, they still re-check at least every [`SAFETY_POLL`] and when the holder's
-//!   lease ends, so a lost notification costs latency, never correctness.
+//! - When announcements are not flowing ([`Wakeups::healthy`] is false: the listener is down,
+//!   or a pooler in transaction mode swallows notifications), waiters poll with a bounded
+//!   backoff; when they are, they still re-check at least every [`SAFETY_POLL`] and when the
+//!   holder's lease ends, so a lost notification costs latency, never correctness.
+//! - The replay cache is trusted only while announcements flow: every announcement evicts its
+//!   key, and the whole cache is dropped when they stop (`cache.rs`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,37 +34,21 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::cache::ReplayCache;
-use crate::fingerprint::{Fingerprint, hex};
-use crate::store::{Claim, ClaimRequest, Store, StoreError};
+use crate::fingerprint::Fingerprint;
+use crate::key::KeyId;
+use crate::store::{Announce, Claim, ClaimRequest, Store, StoreError};
+
+mod cache;
+mod wait;
+
+pub use cache::ReplayCache;
+pub use wait::{Backoff, wait_in_flight};
 
 /// Longest pause between two looks at an in-flight key while wake-ups flow.
 pub const SAFETY_POLL: Duration = Duration::from_secs(1);
 /// Polling bounds while wake-ups do not flow.
 pub const POLL_MIN: Duration = Duration::from_millis(10);
 pub const POLL_MAX: Duration = Duration::from_millis(250);
-
-/// The wake-up identity of a key: 32 hex chars of SHA-256(scope, key). Short, fixed-size
-/// (a NOTIFY payload), and it carries neither the scope nor the key in clear.
-pub fn key_id(scope: &str, key: &str) -> String {
-    short_id(&[scope.as_bytes(), b"\0", key.as_bytes()])
-}
-
-/// The wake-up identity of a scope's forwarding slots (`serialize`).
-pub fn slot_id(scope: &str) -> String {
-    short_id(&[b"slots\0", scope.as_bytes()])
-}
-
-/// 32 hex chars of SHA-256 over `parts` one after another, fed to the hasher in place.
-fn short_id(parts: &[&[u8]]) -> String {
-    use sha2::Digest;
-    let mut hasher = sha2::Sha256::new();
-    for part in parts {
-        hasher.update(part);
-    }
-    let digest: Fingerprint = hasher.finalize().into();
-    hex(&digest[..16])
-}
 
 /// Counters for tests and metrics.
 #[derive(Debug, Default)]
@@ -78,12 +65,12 @@ pub struct WaitStats {
     pub listener_replaced: AtomicU64,
 }
 
-/// The per-process registry of keys that local requests wait for.
+/// The per-process registry of keys that local requests wait for, and the replay cache.
 #[derive(Default)]
 pub struct Wakeups {
-    /// The gateway's replay cache: every announcement evicts its key, and the whole cache is
-    /// dropped when announcements stop flowing (see `cache.rs`).
-    cache: std::sync::OnceLock<Arc<ReplayCache>>,
+    /// The replay cache: every announcement evicts its key, and the whole cache is dropped
+    /// when announcements stop flowing (see `cache.rs`).
+    cache: ReplayCache,
     /// Waited-for keys and how many subscriptions each has (counted under this lock, so the
     /// last one out always removes the entry).
     keys: Mutex<HashMap<String, (usize, Arc<KeyWait>)>>,
@@ -106,13 +93,22 @@ pub struct Subscription<'a> {
 }
 
 impl Wakeups {
-    /// Subscribes to wake-ups for `(scope, key)`.
-    pub fn subscribe(&self, scope: &str, key: &str) -> Subscription<'_> {
-        self.subscribe_id(key_id(scope, key))
+    /// A registry whose replay cache holds up to `cache_bytes` (0: no cache).
+    pub fn new(cache_bytes: usize) -> Wakeups {
+        Wakeups {
+            cache: ReplayCache::new(cache_bytes),
+            ..Wakeups::default()
+        }
     }
 
-    /// Subscribes to wake-ups for an id ([`key_id`] or [`slot_id`]).
-    pub fn subscribe_id(&self, id: String) -> Subscription<'_> {
+    /// Subscribes to wake-ups for `(scope, key)`.
+    pub fn subscribe(&self, scope: &str, key: &str) -> Subscription<'_> {
+        self.subscribe_id(KeyId::of(scope, key))
+    }
+
+    /// Subscribes to wake-ups for an id (a key's, or a scope's slots': [`KeyId::slots`]).
+    pub fn subscribe_id(&self, id: KeyId) -> Subscription<'_> {
+        let id = String::from(id);
         let wait = {
             let mut keys = self.keys.lock().expect("wakeups lock");
             let entry = keys.entry(id.clone()).or_insert_with(|| {
@@ -134,24 +130,16 @@ impl Wakeups {
         }
     }
 
-    /// Bytes held by the replay cache (0 without one).
+    /// Bytes held by the replay cache.
     pub fn cache_bytes(&self) -> usize {
-        self.cache.get().map_or(0, |c| c.bytes())
+        self.cache.bytes()
     }
 
-    /// Attaches the replay cache that announcements keep honest (the first one wins).
-    pub fn attach_cache(&self, cache: Arc<ReplayCache>) {
-        let _ = self.cache.set(cache);
-    }
-
-    /// The replay cache and the current epoch, if attached and trustworthy now
+    /// The replay cache and the current epoch, if enabled and trustworthy now
     /// (announcements are flowing). Read the store after this call; fill the cache with
     /// [`Wakeups::cache_fill`] and this epoch.
     pub fn trusted_cache(&self) -> Option<(&ReplayCache, u64)> {
-        self.cache
-            .get()
-            .filter(|c| c.enabled() && self.healthy())
-            .map(|c| (c.as_ref(), c.epoch()))
+        (self.cache.enabled() && self.healthy()).then(|| (&self.cache, self.cache.epoch()))
     }
 
     /// Fills the cache with what the store said, unless announcements changed regime since
@@ -159,23 +147,20 @@ impl Wakeups {
     pub fn cache_fill(
         &self,
         epoch: u64,
-        id: String,
+        id: KeyId,
         fingerprint: Fingerprint,
         response: crate::replay::StoredResponse,
         expires: Instant,
     ) {
-        if let Some(cache) = self.cache.get()
-            && self.healthy()
-        {
-            cache.put(epoch, id, fingerprint, response, expires);
+        if self.healthy() {
+            self.cache
+                .put(epoch, String::from(id), fingerprint, response, expires);
         }
     }
 
     /// Wakes every local waiter of the key with this id (a NOTIFY payload).
     pub fn wake(&self, id: &str) {
-        if let Some(cache) = self.cache.get() {
-            cache.invalidate(id);
-        }
+        self.cache.invalidate(id);
         let wait = self
             .keys
             .lock()
@@ -211,9 +196,7 @@ impl Wakeups {
     pub fn set_healthy(&self, healthy: bool) {
         let was = self.healthy.swap(healthy, Ordering::SeqCst);
         if was != healthy {
-            if let Some(cache) = self.cache.get() {
-                cache.clear();
-            }
+            self.cache.clear();
             if healthy {
                 tracing::info!("wake-ups for in-flight keys are flowing");
             } else {
@@ -227,6 +210,33 @@ impl Wakeups {
     /// Keys with local waiters right now.
     pub fn waited_keys(&self) -> usize {
         self.keys.lock().expect("wakeups lock").len()
+    }
+}
+
+/// What the stores announce reaches the waiters here.
+impl Announce for Wakeups {
+    fn wake(&self, id: &str) {
+        Wakeups::wake(self, id);
+    }
+
+    fn wake_all(&self) {
+        Wakeups::wake_all(self);
+    }
+
+    fn set_healthy(&self, healthy: bool) {
+        Wakeups::set_healthy(self, healthy);
+    }
+
+    fn healthy(&self) -> bool {
+        Wakeups::healthy(self)
+    }
+
+    fn listener_session(&self) {
+        self.stats.listener_sessions.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn listener_replaced(&self) {
+        self.stats.listener_replaced.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -298,17 +308,6 @@ impl Subscription<'_> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn key_ids_are_short_and_distinct() {
-        assert_eq!(key_id("a", "b").len(), 32);
-        assert_ne!(key_id("a", "bc"), key_id("ab", "c"));
-        // SHA-256 of scope, a zero byte and key: the same id as every earlier release wrote
-        // in its logs.
-        use crate::fingerprint::sha256;
-        assert_eq!(key_id("acct-1", "k"), hex(&sha256(b"acct-1\0k")[..16]));
-        assert_eq!(slot_id("acct-1"), hex(&sha256(b"slots\0acct-1")[..16]));
-    }
-
     #[tokio::test]
     async fn the_last_subscriber_removes_the_entry() {
         let w = Wakeups::default();
@@ -326,7 +325,7 @@ mod tests {
         let w = Wakeups::default();
         let s = w.subscribe("s", "k");
         let next = s.next_wakeup();
-        w.wake(&key_id("s", "k"));
+        w.wake(KeyId::of("s", "k").as_str());
         tokio::time::timeout(Duration::from_secs(5), next)
             .await
             .expect("woken");
