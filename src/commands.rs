@@ -229,7 +229,7 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
 /// and exit. Returns how many were applied and what the online work did.
 pub async fn migrate(
     path: &Path,
-) -> Result<(usize, crate::store::pg_migrate::OnlineRun), CommandError> {
+) -> Result<(usize, crate::store::postgres::OnlineRun), CommandError> {
     let config = Config::load(path)?;
     let store = open_store(&config)?;
     let applied = store.migrate().await?;

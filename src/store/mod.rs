@@ -21,11 +21,6 @@
 //! `sqlite` feature, [`sqlite::SqliteStore`] (one instance, zero setup). The conformance tests
 //! (`tests/it/conformance.rs`) run the same test bodies against both.
 
-mod pg_batch;
-pub mod pg_cancel;
-mod pg_connect;
-pub mod pg_listener;
-pub mod pg_migrate;
 pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
@@ -392,8 +387,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// The work migrations leave for after their transaction (indexes built concurrently,
     /// backfills in batches), run while the gateway serves; idempotent. Nothing by default.
-    fn migrate_online(&self) -> BoxFuture<'_, Result<pg_migrate::OnlineRun, StoreError>> {
-        Box::pin(async { Ok(pg_migrate::OnlineRun::default()) })
+    fn migrate_online(&self) -> BoxFuture<'_, Result<postgres::OnlineRun, StoreError>> {
+        Box::pin(async { Ok(postgres::OnlineRun::default()) })
     }
 
     /// Starts what runs beside the requests (the Postgres wake-up listener) and names where

@@ -133,7 +133,7 @@ async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
         .collect();
     assert_eq!(pids.len(), 1, "one listener connection");
     let _frozen = pg::Stopped::stop(&pids);
-    let interval = idemgate::store::pg_listener::REPROBE;
+    let interval = idemgate::store::postgres::listener::REPROBE;
     wait_until(
         "the frozen listener is replaced",
         2 * interval + Duration::from_secs(10),

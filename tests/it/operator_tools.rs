@@ -361,7 +361,7 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
         .query_one(
             "SELECT pid FROM pg_stat_activity
               WHERE datname = current_database() AND application_name = $1",
-            &[&idemgate::store::pg_listener::APPLICATION_NAME],
+            &[&idemgate::store::postgres::listener::APPLICATION_NAME],
         )
         .await
         .expect("one listener session")

@@ -24,8 +24,8 @@ use tokio_postgres::types::Type;
 use tokio_postgres::{AsyncMessage, NoTls};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::Announce;
-use super::postgres::CHANNEL;
+use super::statements::CHANNEL;
+use crate::store::Announce;
 
 /// How often a live listener proves again that notifications arrive.
 pub const REPROBE: Duration = Duration::from_secs(30);

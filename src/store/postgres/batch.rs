@@ -20,7 +20,7 @@
 //!   (nothing of it was sent); the others of its batch, still within their own bound, start
 //!   the next batch. When the pool fails otherwise, every request of the batch gets the
 //!   pool's answer. The statement runs within `statement_timeout`, with the same client-side
-//!   bound, cancel and detach as every statement ([`super::postgres::Db::bounded`]).
+//!   bound, cancel and detach as every statement ([`super::session::Db::bounded`]).
 //! - No shared fate: when a statement of several keys fails (a row locked past the
 //!   statement timeout, a deadlock, an error), each of its keys runs again alone, with its own
 //!   statement and bounds, before any of them is failed ([`answer_all`]); only a key that
@@ -40,8 +40,8 @@ use deadpool_postgres::Object;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 
-use super::StoreError;
-use super::postgres::Db;
+use super::session::Db;
+use crate::store::StoreError;
 
 /// What one request asks of a batch, and how a batch of such asks runs.
 pub(super) trait Item: Send + Sized + 'static {

@@ -32,32 +32,36 @@ use std::time::Duration;
 use tokio_postgres::{Client, NoTls, error::SqlState, types::Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use super::StoreError;
+use crate::store::StoreError;
 
 /// The migrations, in order: (version, name, SQL). The SQL runs in the transaction of
 /// [`apply`]; the work each leaves for later is in [`online`].
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
-    (1, "keys", include_str!("../../migrations/0001_keys.sql")),
-    (2, "slots", include_str!("../../migrations/0002_slots.sql")),
+    (1, "keys", include_str!("../../../migrations/0001_keys.sql")),
+    (
+        2,
+        "slots",
+        include_str!("../../../migrations/0002_slots.sql"),
+    ),
     (
         3,
         "waiters",
-        include_str!("../../migrations/0003_waiters.sql"),
+        include_str!("../../../migrations/0003_waiters.sql"),
     ),
     (
         4,
         "slot_limits",
-        include_str!("../../migrations/0004_slot_limits.sql"),
+        include_str!("../../../migrations/0004_slot_limits.sql"),
     ),
     (
         5,
         "lean_writes",
-        include_str!("../../migrations/0005_lean_writes.sql"),
+        include_str!("../../../migrations/0005_lean_writes.sql"),
     ),
     (
         6,
         "pooler_functions",
-        include_str!("../../migrations/0006_pooler_functions.sql"),
+        include_str!("../../../migrations/0006_pooler_functions.sql"),
     ),
 ];
 
