@@ -227,9 +227,7 @@ pub fn check(path: &Path) -> Result<String, CommandError> {
 
 /// `idemgate migrate`: apply pending migrations, then their online work (indexes, backfills),
 /// and exit. Returns how many were applied and what the online work did.
-pub async fn migrate(
-    path: &Path,
-) -> Result<(usize, crate::store::postgres::OnlineRun), CommandError> {
+pub async fn migrate(path: &Path) -> Result<(usize, crate::store::OnlineRun), CommandError> {
     let config = Config::load(path)?;
     let store = open_store(&config)?;
     let applied = store.migrate().await?;

@@ -48,9 +48,9 @@
 #![forbid(unsafe_code)]
 
 pub mod access;
-pub mod admin;
+pub(crate) mod admin;
 pub mod app;
-pub mod body;
+pub(crate) mod body;
 pub mod commands;
 pub mod config;
 #[cfg(feature = "demo")]
@@ -58,25 +58,26 @@ pub mod demo;
 pub mod fingerprint;
 pub mod forward;
 pub mod gateway;
-pub mod headers;
-pub mod inflight;
+pub(crate) mod headers;
+pub(crate) mod inflight;
 pub mod json;
 pub mod key;
-pub mod keys;
-pub mod limits;
+pub(crate) mod keys;
+pub(crate) mod limits;
 pub mod logging;
 pub mod metrics;
-pub mod path;
+pub(crate) mod path;
+pub(crate) mod payload;
 pub mod problem;
 pub mod replay;
-pub mod routing;
-pub mod serialize;
+pub(crate) mod routing;
+pub(crate) mod serialize;
 pub mod server;
-pub mod shard;
+pub(crate) mod shard;
 pub mod store;
-pub mod timer;
+pub(crate) mod timer;
 pub mod tls;
-pub mod tunnel;
+pub(crate) mod tunnel;
 
 #[cfg(feature = "demo")]
 pub use demo::{lab, process};

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use idemgate::commands::{self, CommandError};
-use idemgate::config::{Config, LogFormat, RuntimeLayout};
+use idemgate::config::{Config, LogFormat};
 
 #[derive(Parser)]
 #[command(
@@ -129,18 +129,7 @@ fn main() -> ExitCode {
     );
     // Thread per core: this thread's runtime is the first serving thread (and runs the
     // admin plane and the background tasks); `App::run` starts the others.
-    let mut runtime = match serve_config.as_ref().map(|c| &c.server) {
-        Some(s) if s.runtime == RuntimeLayout::ThreadPerCore => {
-            tokio::runtime::Builder::new_current_thread()
-        }
-        Some(s) => {
-            let mut b = tokio::runtime::Builder::new_multi_thread();
-            b.worker_threads(s.worker_threads);
-            b
-        }
-        None => tokio::runtime::Builder::new_multi_thread(),
-    };
-    let runtime = match runtime.enable_all().build() {
+    let runtime = match idemgate::server::runtime(serve_config.as_ref().map(|c| &c.server)) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("idemgate: cannot start the runtime: {e}");

@@ -34,12 +34,8 @@
 //! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
 //! older text format to anyone else; `promtool check metrics` lints the latter in CI.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
-
-use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
-use prometheus_client::metrics::{MetricType, TypedMetric};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -48,7 +44,12 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::shard::{Padded, SHARDS};
+mod format;
+mod sharded;
+
+pub use format::Format;
+use format::openmetrics_to_text;
+pub use sharded::{ShardedCounter, ShardedHistogram};
 
 /// The outcome names of `idemgate_requests_total`.
 pub mod outcome {
@@ -159,123 +160,6 @@ fn latency_buckets() -> Histogram {
 
 fn route_latency_buckets() -> ShardedHistogram {
     ShardedHistogram::new(latency_bounds())
-}
-
-/// A counter kept in one cell per shard (`shard.rs`), summed when read or scraped.
-#[derive(Clone, Debug, Default)]
-pub struct ShardedCounter(Arc<[Padded<AtomicU64>; SHARDS]>);
-
-impl ShardedCounter {
-    pub fn inc(&self) {
-        self.0[crate::shard::own()]
-            .0
-            .fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The count: the sum of the shards.
-    pub fn get(&self) -> u64 {
-        self.0.iter().map(|c| c.0.load(Ordering::Relaxed)).sum()
-    }
-}
-
-impl TypedMetric for ShardedCounter {
-    const TYPE: MetricType = MetricType::Counter;
-}
-
-impl EncodeMetric for ShardedCounter {
-    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        encoder.encode_counter::<NoLabelSet, _, u64>(&self.get(), None)
-    }
-
-    fn metric_type(&self) -> MetricType {
-        Self::TYPE
-    }
-}
-
-/// A histogram kept in one set of cells per shard (`shard.rs`), summed when scraped. A scrape
-/// may see an observation's count before its sum (each cell is exact on its own; the
-/// exposition of a histogram is not one atomic reading in any case).
-#[derive(Clone, Debug)]
-pub struct ShardedHistogram(Arc<HistogramCells>);
-
-#[derive(Debug)]
-struct HistogramCells {
-    /// Upper bounds, the last one `+Inf`.
-    bounds: Vec<f64>,
-    shards: [Padded<HistogramShard>; SHARDS],
-}
-
-#[derive(Debug, Default)]
-struct HistogramShard {
-    count: AtomicU64,
-    /// An `f64`'s bits.
-    sum: AtomicU64,
-    /// One per bound: the observations that fell in that bucket (not cumulative).
-    buckets: Vec<AtomicU64>,
-}
-
-impl ShardedHistogram {
-    pub fn new(bounds: impl IntoIterator<Item = f64>) -> ShardedHistogram {
-        let mut bounds: Vec<f64> = bounds.into_iter().collect();
-        bounds.push(f64::INFINITY);
-        let shards = std::array::from_fn(|_| {
-            Padded(HistogramShard {
-                buckets: bounds.iter().map(|_| AtomicU64::new(0)).collect(),
-                ..HistogramShard::default()
-            })
-        });
-        ShardedHistogram(Arc::new(HistogramCells { bounds, shards }))
-    }
-
-    pub fn observe(&self, v: f64) {
-        let cells = &*self.0;
-        let shard = &cells.shards[crate::shard::own()].0;
-        // NaN falls in the last bucket, as in prometheus-client.
-        let bucket = cells
-            .bounds
-            .iter()
-            .position(|b| v <= *b)
-            .unwrap_or(cells.bounds.len() - 1);
-        shard.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        // Only this thread writes its shard's sum: no retry in practice.
-        let _ = shard
-            .sum
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) + v).to_bits())
-            });
-        shard.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Sum, count and the per-bucket counts, over the shards.
-    fn totals(&self) -> (f64, u64, Vec<(f64, u64)>) {
-        let cells = &*self.0;
-        let mut buckets: Vec<(f64, u64)> = cells.bounds.iter().map(|b| (*b, 0)).collect();
-        let (mut sum, mut count) = (0.0, 0);
-        for shard in &cells.shards {
-            let shard = &shard.0;
-            count += shard.count.load(Ordering::Relaxed);
-            sum += f64::from_bits(shard.sum.load(Ordering::Relaxed));
-            for (total, cell) in buckets.iter_mut().zip(&shard.buckets) {
-                total.1 += cell.load(Ordering::Relaxed);
-            }
-        }
-        (sum, count, buckets)
-    }
-}
-
-impl TypedMetric for ShardedHistogram {
-    const TYPE: MetricType = MetricType::Histogram;
-}
-
-impl EncodeMetric for ShardedHistogram {
-    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
-        let (sum, count, buckets) = self.totals();
-        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
-    }
-
-    fn metric_type(&self) -> MetricType {
-        Self::TYPE
-    }
 }
 
 fn batch_buckets() -> Histogram {
@@ -581,153 +465,5 @@ impl Metrics {
     }
 }
 
-/// The two exposition formats of `GET /metrics`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    /// OpenMetrics 1.0: what Prometheus asks for first.
-    OpenMetrics,
-    /// The Prometheus text format 0.0.4: for whoever does not ask for OpenMetrics (curl,
-    /// older scrapers, and `promtool check metrics`, which reads only this one).
-    Text,
-}
-
-impl Format {
-    /// OpenMetrics when the `Accept` header names it, else the text format (the Go
-    /// client's rule).
-    pub fn negotiate(accept: Option<&str>) -> Format {
-        match accept {
-            Some(a) if a.contains("application/openmetrics-text") => Format::OpenMetrics,
-            _ => Format::Text,
-        }
-    }
-
-    pub fn content_type(self) -> &'static str {
-        match self {
-            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            Format::Text => "text/plain; version=0.0.4; charset=utf-8",
-        }
-    }
-}
-
-/// OpenMetrics text as the 0.0.4 text format: the samples are the same; a counter's `HELP`
-/// and `TYPE` lines name it as its samples do (`_total`), and there is no `# EOF` (nor
-/// `# UNIT`, which this registry never writes).
-fn openmetrics_to_text(open: &str) -> String {
-    let counters: std::collections::HashSet<&str> = open
-        .lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.strip_suffix(" counter"))
-        .collect();
-    let mut out = String::with_capacity(open.len());
-    for line in open.lines() {
-        if line == "# EOF" || line.starts_with("# UNIT ") {
-            continue;
-        }
-        let meta = ["# HELP ", "# TYPE "]
-            .into_iter()
-            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
-        match meta {
-            Some((prefix, rest)) => {
-                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
-                let total = if counters.contains(name) {
-                    "_total"
-                } else {
-                    ""
-                };
-                out.push_str(&format!("{prefix}{name}{total} {tail}"));
-            }
-            None => out.push_str(line),
-        }
-        out.push('\n');
-    }
-    out
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_text_format_names_counters_as_their_samples_and_has_no_eof() {
-        let m = Metrics::new(&StoreMetrics::default());
-        m.request("payments", outcome::REPLAYED);
-        m.wakeups_healthy.set(1);
-        let open = m.encode(Format::OpenMetrics);
-        assert!(
-            open.contains("# TYPE idemgate_requests counter\n"),
-            "{open}"
-        );
-        assert!(open.ends_with("# EOF\n"));
-        let text = m.encode(Format::Text);
-        assert!(
-            text.contains("# HELP idemgate_requests_total Requests by route and outcome.\n"),
-            "{text}"
-        );
-        assert!(text.contains("# TYPE idemgate_requests_total counter\n"));
-        assert!(
-            text.contains("idemgate_requests_total{route=\"payments\",outcome=\"replayed\"} 1\n")
-        );
-        assert!(
-            text.contains("# TYPE idemgate_wakeups_healthy gauge\nidemgate_wakeups_healthy 1\n")
-        );
-        assert!(!text.contains("# EOF"));
-    }
-
-    #[test]
-    fn counts_from_many_threads_at_once_are_exact_in_the_exposition() {
-        let m = Arc::new(Metrics::new(&StoreMetrics::default()));
-        let h = m.route("payments");
-        let outcomes = [outcome::PROXIED, outcome::REPLAYED, outcome::FORWARDED];
-        // More threads than shards, so that some share one.
-        let threads: Vec<_> = (0..SHARDS + 4)
-            .map(|t| {
-                let h = Arc::clone(&h);
-                std::thread::spawn(move || {
-                    for i in 0..1000 {
-                        h.request(outcomes[(t + i) % 3]);
-                        // 1 ms, in the bucket up to 1.6 ms.
-                        h.upstream(Duration::from_millis(1));
-                    }
-                })
-            })
-            .collect();
-        for t in threads {
-            t.join().unwrap();
-        }
-        let total = (SHARDS + 4) * 1000;
-        let text = m.encode(Format::Text);
-        let counted: u64 = outcomes
-            .iter()
-            .map(|o| {
-                let series =
-                    format!("idemgate_requests_total{{route=\"payments\",outcome=\"{o}\"}} ");
-                let line = text.lines().find(|l| l.starts_with(&series)).unwrap();
-                line[series.len()..].parse::<u64>().unwrap()
-            })
-            .sum();
-        assert_eq!(counted, total as u64);
-        assert!(text.contains(&format!(
-            "idemgate_upstream_latency_seconds_count{{route=\"payments\"}} {total}\n"
-        )));
-        assert!(text.contains(
-            "idemgate_upstream_latency_seconds_bucket{le=\"0.0008\",route=\"payments\"} 0\n"
-        ));
-        assert!(text.contains(&format!(
-            "idemgate_upstream_latency_seconds_bucket{{le=\"0.0016\",route=\"payments\"}} {total}\n"
-        )));
-        let sum_line = text
-            .lines()
-            .find(|l| l.starts_with("idemgate_upstream_latency_seconds_sum{route=\"payments\"} "))
-            .unwrap();
-        let sum: f64 = sum_line.rsplit(' ').next().unwrap().parse().unwrap();
-        assert!((sum - total as f64 * 0.001).abs() < 1e-6, "{sum_line}");
-    }
-
-    #[test]
-    fn openmetrics_only_when_asked_for() {
-        let prometheus = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
-        assert_eq!(Format::negotiate(Some(prometheus)), Format::OpenMetrics);
-        assert_eq!(Format::negotiate(Some("*/*")), Format::Text);
-        assert_eq!(Format::negotiate(None), Format::Text);
-    }
-}
+mod tests;

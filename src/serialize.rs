@@ -37,7 +37,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::SerializeConfig;
-use crate::inflight::{Backoff, Wakeups};
+use crate::inflight::Wakeups;
+use crate::inflight::wait::Backoff;
 use crate::key::KeyId;
 use crate::store::{Slot, Store, StoreError};
 
@@ -157,11 +158,6 @@ impl Serializer {
                 () = tokio::time::sleep(nap.min(deadline - now)) => {}
             }
         }
-    }
-
-    /// Scopes with local requests queued or holding slots.
-    pub fn active_scopes(&self) -> usize {
-        self.queues.lock().expect("queues lock").len()
     }
 }
 

@@ -40,7 +40,8 @@ use tokio::sync::{Semaphore, watch};
 
 use crate::config::ServerConfig;
 use crate::forward::ClientInfo;
-use crate::gateway::{Connection, Gateway};
+use crate::gateway::Gateway;
+use crate::gateway::connection::Connection;
 use crate::limits::{ConnectionSlot, Seat, ThreadLoad};
 
 /// Serves until `shutdown` resolves, then drains for at most `shutdown_grace`. Fails only
@@ -466,9 +467,7 @@ impl ServingThread {
         place: Balanced,
         mut stop: watch::Receiver<bool>,
     ) -> std::io::Result<ServingThread> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
+        let runtime = runtime(Some(&cfg))?;
         let (served_tx, served) = tokio::sync::oneshot::channel();
         let (release, released) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
@@ -513,6 +512,25 @@ impl ServingThread {
         drop(release);
         let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     }
+}
+
+/// The runtime `serve` runs on, built in one place: with `runtime: thread_per_core` (the
+/// default), a current-thread runtime per serving thread (this one is the first serving
+/// thread's); with `multi_thread`, one runtime of `worker_threads` workers. Without a
+/// configuration (the other commands), a multi-thread runtime.
+pub fn runtime(server: Option<&ServerConfig>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = match server {
+        Some(s) if s.runtime == crate::config::RuntimeLayout::ThreadPerCore => {
+            tokio::runtime::Builder::new_current_thread()
+        }
+        Some(s) => {
+            let mut b = tokio::runtime::Builder::new_multi_thread();
+            b.worker_threads(s.worker_threads);
+            b
+        }
+        None => tokio::runtime::Builder::new_multi_thread(),
+    };
+    builder.enable_all().build()
 }
 
 #[cfg(test)]

@@ -11,7 +11,7 @@
 
 use percent_encoding::percent_decode_str;
 
-use super::PgTlsMode;
+use super::model::PgTlsMode;
 
 /// The TLS parameters found in a connection string, and the string without them.
 #[derive(Debug, Default, PartialEq, Eq)]

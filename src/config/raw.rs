@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::{InFlight, LogFormat, Mode, OnStoreError, OnUnknownOutcome};
+use super::model::{InFlight, LogFormat, Mode, OnStoreError, OnUnknownOutcome};
 
 /// The whole file.
 #[derive(Debug, Deserialize)]

@@ -12,7 +12,7 @@
 
 use http::Method;
 
-use super::{PathMatch, Route};
+use super::model::{PathMatch, Route};
 
 /// Whether every path `later` matches is matched by `earlier`.
 fn covers(earlier: &PathMatch, later: &PathMatch) -> bool {

@@ -16,6 +16,7 @@
 //! `idemgate::lab` and `idemgate::process`.
 
 pub mod lab;
+pub mod ledger;
 pub mod process;
 
 use std::io::Write;

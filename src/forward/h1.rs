@@ -53,8 +53,9 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tokio::time::Instant;
 
-use super::{Body, BoxError, UpstreamError, error_chain};
+use super::error::UpstreamError;
 use crate::config::UpstreamConfig;
+use crate::payload::{Body, BoxError, error_chain};
 use crate::shard::{Padded, SHARDS};
 
 /// Idle connections kept per upstream.

@@ -25,8 +25,6 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Response, Uri, Version};
-use http_body_util::BodyExt;
-use http_body_util::combinators::UnsyncBoxBody;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
@@ -35,64 +33,11 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::config::UpstreamConfig;
 
+mod error;
 mod h1;
 
-/// Boxed error for bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// The body type used on both sides of the proxy.
-pub type Body = UnsyncBoxBody<Bytes, BoxError>;
-
-/// A body from bytes. Past [`PIECE`] bytes it yields them in pieces of that size (slices of
-/// one buffer, no copy): a connection takes the next piece only once it has room for it, so
-/// an answer waiting for a slow reader stays in its body, counted in the byte budget with
-/// it, instead of being queued whole on the connection at once.
-pub fn full(bytes: impl Into<Bytes>) -> Body {
-    let bytes = bytes.into();
-    if bytes.len() <= PIECE {
-        return http_body_util::Full::new(bytes)
-            .map_err(|never| match never {})
-            .boxed_unsync();
-    }
-    Pieces { rest: bytes }.boxed_unsync()
-}
-
-/// The largest piece [`full`] yields at once.
-pub const PIECE: usize = 64 * 1024;
-
-/// Bytes yielded [`PIECE`] at a time, with their exact length known up front.
-struct Pieces {
-    rest: Bytes,
-}
-
-impl hyper::body::Body for Pieces {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
-        if self.rest.is_empty() {
-            return std::task::Poll::Ready(None);
-        }
-        let n = self.rest.len().min(PIECE);
-        let piece = self.rest.split_to(n);
-        std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(piece))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.rest.is_empty()
-    }
-
-    fn size_hint(&self) -> hyper::body::SizeHint {
-        hyper::body::SizeHint::with_exact(self.rest.len() as u64)
-    }
-}
-
-/// A streamed body from a hyper body.
-pub fn stream(body: Incoming) -> Body {
-    body.map_err(|e| Box::new(e) as BoxError).boxed_unsync()
-}
+pub use crate::payload::{Body, BoxError, PIECE, error_chain, full, stream};
+pub use error::UpstreamError;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -150,20 +95,6 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
             headers.remove(name);
         }
     }
-}
-
-/// Why a forward failed.
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    /// The request never reached the upstream (refused, DNS, connect timeout).
-    #[error("connect: {0}")]
-    Connect(String),
-    /// No complete answer within the upstream's `timeout`; it may have been processed.
-    #[error("timed out")]
-    Timeout,
-    /// The connection failed after the request was sent; it may have been processed.
-    #[error("failed: {0}")]
-    Failed(String),
 }
 
 /// One client per upstream, sharing nothing but the executor.
@@ -602,157 +533,5 @@ pub fn clean_response_headers(headers: &mut HeaderMap) {
     }
 }
 
-/// An error and its causes on one line, for logs.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn connection_named_headers_are_stripped() {
-        let mut h = HeaderMap::new();
-        h.insert("connection", "close, X-Secret".parse().unwrap());
-        h.append("connection", "Keep-Alive,x-other".parse().unwrap());
-        h.insert("x-secret", "1".parse().unwrap());
-        h.insert("x-other", "1".parse().unwrap());
-        // Named by the `close` option: RFC 9110 section 7.6.1 removes it too.
-        h.insert("close", "1".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert("te", "trailers".parse().unwrap());
-        h.insert("content-type", "text/plain".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1, "{h:?}");
-        assert!(h.contains_key("content-type"));
-    }
-
-    #[test]
-    fn a_response_loses_hop_by_hop_and_gateway_only_headers_and_nothing_else() {
-        let mut h = HeaderMap::new();
-        h.insert("connection", "keep-alive, x-hop".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert("x-hop", "1".parse().unwrap());
-        h.insert("transfer-encoding", "chunked".parse().unwrap());
-        h.insert("idempotent-replayed", "true".parse().unwrap());
-        h.insert("idempotency-status", "bypassed".parse().unwrap());
-        h.insert("content-type", "application/json".parse().unwrap());
-        h.append("set-cookie", "a=1".parse().unwrap());
-        h.append("set-cookie", "b=2".parse().unwrap());
-        clean_response_headers(&mut h);
-        // Removing reorders the names (a field's own values keep their order).
-        let mut left: Vec<_> = h
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.to_str().unwrap()))
-            .collect();
-        left.sort();
-        assert_eq!(
-            left,
-            [
-                ("content-type", "application/json"),
-                ("set-cookie", "a=1"),
-                ("set-cookie", "b=2")
-            ]
-        );
-
-        // The usual `Connection` values (any case) name nothing else; a second `Connection`
-        // line naming a header still has it removed.
-        for usual in ["keep-alive", "Close", "KEEP-ALIVE"] {
-            let mut h = HeaderMap::new();
-            h.insert("connection", usual.parse().unwrap());
-            h.insert("keep-alive", "timeout=5".parse().unwrap());
-            h.insert("x-kept", "1".parse().unwrap());
-            clean_response_headers(&mut h);
-            assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"], "{usual}");
-        }
-        let mut h = HeaderMap::new();
-        h.insert("connection", "keep-alive".parse().unwrap());
-        h.append("connection", "x-hop".parse().unwrap());
-        h.insert("x-hop", "1".parse().unwrap());
-        h.insert("x-kept", "1".parse().unwrap());
-        clean_response_headers(&mut h);
-        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-kept"]);
-
-        // Without any of them every header stays, values in order.
-        let mut plain = HeaderMap::new();
-        plain.insert("content-type", "text/plain".parse().unwrap());
-        plain.append("vary", "accept".parse().unwrap());
-        plain.append("vary", "origin".parse().unwrap());
-        let before = plain.clone();
-        clean_response_headers(&mut plain);
-        assert_eq!(plain, before);
-    }
-
-    #[test]
-    fn a_list_header_gets_this_hops_element_after_every_earlier_one() {
-        let mut h = HeaderMap::new();
-        let name = HeaderName::from_static("x-forwarded-for");
-        assert_eq!(
-            append_to_list(&h, &name, "192.0.2.7".into()).unwrap(),
-            "192.0.2.7"
-        );
-        h.insert(&name, "198.51.100.1, 198.51.100.2".parse().unwrap());
-        h.append(&name, "203.0.113.9".parse().unwrap());
-        assert_eq!(
-            append_to_list(&h, &name, "192.0.2.7".into()).unwrap(),
-            "198.51.100.1, 198.51.100.2, 203.0.113.9, 192.0.2.7"
-        );
-    }
-
-    #[test]
-    fn a_forwarded_element_quotes_what_is_not_a_token() {
-        let v4 = ClientInfo::new("192.0.2.7:5000".parse().unwrap(), false);
-        let host = HeaderValue::from_static("example.com");
-        assert_eq!(
-            forwarded_element(&v4, Some(&host)),
-            "for=192.0.2.7;proto=http;host=example.com"
-        );
-        let v6 = ClientInfo::new("[2001:db8::1]:5000".parse().unwrap(), true);
-        let host = HeaderValue::from_static("example.com:8443");
-        assert_eq!(
-            forwarded_element(&v6, Some(&host)),
-            "for=\"[2001:db8::1]\";proto=https;host=\"example.com:8443\""
-        );
-        // An IPv4 client on a dual-stack listener is named as IPv4.
-        let mapped = ClientInfo::new("[::ffff:192.0.2.7]:5000".parse().unwrap(), false);
-        assert_eq!(forwarded_element(&mapped, None), "for=192.0.2.7;proto=http");
-        let odd = HeaderValue::from_static("a\"b\\c");
-        assert_eq!(
-            forwarded_element(&v4, Some(&odd)),
-            "for=192.0.2.7;proto=http;host=\"a\\\"b\\\\c\""
-        );
-        // Each is sized exactly, so it becomes a header value without a copy.
-        let hosts = [
-            "example.com",
-            "example.com:8443",
-            "a\"b\\c",
-            "",
-            "caf\u{e9}",
-        ]
-        .map(|h| HeaderValue::from_bytes(h.as_bytes()).unwrap());
-        for client in [&v4, &v6, &mapped] {
-            for host in hosts.iter().map(Some).chain([None]) {
-                let e = forwarded_element(client, host);
-                assert_eq!(e.capacity(), e.len(), "{e}");
-                assert_eq!(owned_value(e.clone()).unwrap(), e.as_str());
-            }
-        }
-    }
-
-    #[test]
-    fn te_trailers_is_recognised_among_other_codings() {
-        let mut h = HeaderMap::new();
-        h.insert("te", "gzip, Trailers".parse().unwrap());
-        assert!(accepts_trailers(&h));
-        h.insert("te", "gzip".parse().unwrap());
-        assert!(!accepts_trailers(&h));
-    }
-}
+mod tests;

@@ -18,13 +18,14 @@ use tokio::time::Instant;
 
 use super::plain::{forward_unkeyed, proxy};
 use super::record::Claimed;
+use super::request::KeyedRequest;
 use super::{Gateway, IDEMPOTENCY_STATUS};
 use crate::access::RequestLog;
 use crate::body::{RequestBody, read_body};
 use crate::config::{Idempotency, InFlight, Mode, OnStoreError, OnUnknownOutcome, Route};
 use crate::fingerprint::{Fingerprint, fingerprint};
 use crate::forward::{Body, ClientInfo, UpstreamClient, full};
-use crate::inflight::wait_in_flight;
+use crate::inflight::wait::wait_in_flight;
 use crate::key::KeyId;
 use crate::key::{JsonBody, KeyScope, extract};
 use crate::limits::Admission;
@@ -200,26 +201,6 @@ impl Gateway {
     }
 }
 
-/// A keyed request from its claim on, owned by its own task (see `Gateway::keyed`): what
-/// every later stage reads (the claim, the wait, the replay, then `record.rs`), its route
-/// held by index in the routing snapshot it started with, never looked up again.
-pub(super) struct KeyedRequest {
-    pub(super) gateway: Arc<Gateway>,
-    /// The configuration the request started with (a reload does not change it midway).
-    pub(super) routing: Arc<Routing>,
-    /// The route's index in `routing`: a keyed route.
-    pub(super) index: usize,
-    client: ClientInfo,
-    pub(super) scope: String,
-    pub(super) key: String,
-    pub(super) id: KeyId,
-    fp: Fingerprint,
-    cache_epoch: Option<u64>,
-    /// The buffered bytes (and, once forwarded, the upstream slot), held until this task
-    /// ends.
-    pub(super) admission: Admission,
-}
-
 /// What a keyed request ended as: the answer, its outcome name, the upstream's time.
 type KeyedResult = (
     Result<Response<Body>, GatewayError>,
@@ -228,11 +209,6 @@ type KeyedResult = (
 );
 
 impl KeyedRequest {
-    /// The request's route.
-    pub(super) fn route(&self) -> &Route {
-        &self.routing.config.routes[self.index]
-    }
-
     /// The request's result, and its byte reservation when its answer is held in memory (a
     /// first answer captured for the store, or a replay), for `Gateway::keyed` to hold until
     /// the answer is written.

@@ -6,8 +6,10 @@
 //! - `connection.rs`: a client connection's requests: the request line checked, the route
 //!   found (once, by index), the access line and counters written; never fails.
 //! - `plain.rs`: forwards without a key: streamed both ways, tunnels.
+//! - `request.rs`: a keyed request from its claim on ([`KeyedRequest`](request::KeyedRequest)):
+//!   the one context every later stage reads, its route held by index.
 //! - `keyed.rs`: a keyed request up to its claim: the body read, the key and fingerprint,
-//!   a hot replay; then one [`KeyedRequest`](keyed::KeyedRequest) task: claim, wait, replay.
+//!   a hot replay; then the `KeyedRequest` task: claim, wait, replay.
 //! - `record.rs`: a claimed request: `serialize` and the upstream slot, the forward, the
 //!   fenced write of its outcome.
 //!
@@ -53,12 +55,11 @@ use crate::routing::{LimitRegistry, Routing};
 use crate::serialize::Serializer;
 use crate::store::Store;
 
-mod connection;
+pub mod connection;
 mod keyed;
 mod plain;
 mod record;
-
-pub use connection::Connection;
+mod request;
 /// Response header on answers forwarded without idempotency because the store was down.
 pub const IDEMPOTENCY_STATUS: HeaderName = HeaderName::from_static("idempotency-status");
 

@@ -26,7 +26,7 @@ use crate::problem::GatewayError;
 use crate::replay::StoredResponse;
 use crate::store::{LeaseToken, Outcome, StoreError};
 
-use super::keyed::KeyedRequest;
+use super::request::KeyedRequest;
 
 /// A claimed request on its way to the upstream, detached from the client connection: the
 /// keyed request and the lease it holds.

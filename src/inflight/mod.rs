@@ -21,7 +21,7 @@
 //!   [`Claim::InFlight`] (a local request owns it now) and keep waiting.
 //! - When announcements are not flowing ([`Wakeups::healthy`] is false: the listener is down,
 //!   or a pooler in transaction mode swallows notifications), waiters poll with a bounded
-//!   backoff; when they are, they still re-check at least every [`SAFETY_POLL`] and when the
+//!   backoff; when they are, they still re-check at least every `SAFETY_POLL` (`wait.rs`) and when the
 //!   holder's lease ends, so a lost notification costs latency, never correctness.
 //! - The replay cache is trusted only while announcements flow: every announcement evicts its
 //!   key, and the whole cache is dropped when they stop (`cache.rs`).
@@ -39,16 +39,9 @@ use crate::key::KeyId;
 use crate::store::{Announce, Claim, ClaimRequest, Store, StoreError};
 
 mod cache;
-mod wait;
+pub mod wait;
 
 pub use cache::ReplayCache;
-pub use wait::{Backoff, wait_in_flight};
-
-/// Longest pause between two looks at an in-flight key while wake-ups flow.
-pub const SAFETY_POLL: Duration = Duration::from_secs(1);
-/// Polling bounds while wake-ups do not flow.
-pub const POLL_MIN: Duration = Duration::from_millis(10);
-pub const POLL_MAX: Duration = Duration::from_millis(250);
 
 /// Counters for tests and metrics.
 #[derive(Debug, Default)]

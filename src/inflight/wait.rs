@@ -1,14 +1,21 @@
 //! Waiting for an in-flight key or a `serialize` slot: the loop and its backoff.
 //!
 //! The registry (`mod.rs`: subscriptions, announcements, shared lookups) says who is woken;
-//! this file only decides when to look again: when woken, at least every [`SAFETY_POLL`] while wake-ups flow, with a backoff
-//! from [`POLL_MIN`] to [`POLL_MAX`] while they do not, and when the holder's lease ends.
+//! this file only decides when to look again: when woken, at least every [`SAFETY_POLL`]
+//! while wake-ups flow, with a backoff from [`POLL_MIN`] to [`POLL_MAX`] while they do not,
+//! and when the holder's lease ends.
 
 use tokio::time::Instant;
 
-use super::{POLL_MAX, POLL_MIN, SAFETY_POLL, Wakeups};
+use super::Wakeups;
 use crate::store::{Claim, ClaimRequest, Store, StoreError};
 use std::time::Duration;
+
+/// Longest pause between two looks at an in-flight key while wake-ups flow.
+pub const SAFETY_POLL: Duration = Duration::from_secs(1);
+/// Polling bounds while wake-ups do not flow.
+pub const POLL_MIN: Duration = Duration::from_millis(10);
+pub const POLL_MAX: Duration = Duration::from_millis(250);
 
 /// How long a waiter naps between looks: a safety poll while wake-ups flow, else polling
 /// that backs off from [`POLL_MIN`] to [`POLL_MAX`]. Shared by in-flight keys and

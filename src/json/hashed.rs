@@ -16,7 +16,7 @@ use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::sync::OnceLock;
 
-use super::names::same;
+use super::order::same;
 
 /// Probes per name beyond which the fast hash is given up (with the tables at most three
 /// quarters full, a random hash averages under 4).

@@ -133,6 +133,39 @@ fn radix(keys: &mut Vec<Key>, spare: &mut Vec<Key>) {
     }
 }
 
+/// Whether two names are the same.
+#[inline(always)]
+pub(super) fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && compare(a, b).is_eq()
+}
+
+/// Two names in the order of their bytes, 8 at a time (short names are most names, and a
+/// call to `memcmp` costs more than comparing them).
+#[inline(always)]
+pub(super) fn compare(a: &[u8], b: &[u8]) -> Ordering {
+    let n = a.len().min(b.len());
+    let (mut a8, mut b8) = (a[..n].chunks_exact(8), b[..n].chunks_exact(8));
+    for (x, y) in (&mut a8).zip(&mut b8) {
+        let (x, y) = (be_word(x), be_word(y));
+        if x != y {
+            return x.cmp(&y);
+        }
+    }
+    for (x, y) in a8.remainder().iter().zip(b8.remainder()) {
+        if x != y {
+            return x.cmp(y);
+        }
+    }
+    a.len().cmp(&b.len())
+}
+
+#[inline(always)]
+fn be_word(b: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    w.copy_from_slice(b);
+    u64::from_be_bytes(w)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -36,6 +36,17 @@ use crate::replay::StoredResponse;
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// What the online part of a migration did ([`Store::migrate_online`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct OnlineRun {
+    /// Another instance holds the online lock: it does the work.
+    pub skipped: bool,
+    /// Indexes built (concurrently) by this run.
+    pub indexes_built: usize,
+    /// Rows backfilled by this run.
+    pub rows_filled: u64,
+}
+
 /// Where a store announces what happens to keys, for whoever waits for them (the gateway's
 /// in-flight registry, `crate::inflight::Wakeups`). Ids are [`crate::key::KeyId`]s, as a
 /// `NOTIFY` payload carries them.
@@ -387,8 +398,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// The work migrations leave for after their transaction (indexes built concurrently,
     /// backfills in batches), run while the gateway serves; idempotent. Nothing by default.
-    fn migrate_online(&self) -> BoxFuture<'_, Result<postgres::OnlineRun, StoreError>> {
-        Box::pin(async { Ok(postgres::OnlineRun::default()) })
+    fn migrate_online(&self) -> BoxFuture<'_, Result<OnlineRun, StoreError>> {
+        Box::pin(async { Ok(OnlineRun::default()) })
     }
 
     /// Starts what runs beside the requests (the Postgres wake-up listener) and names where

@@ -32,7 +32,7 @@ use std::time::Duration;
 use tokio_postgres::{Client, NoTls, error::SqlState, types::Type};
 use tokio_postgres_rustls::MakeRustlsConnect;
 
-use crate::store::StoreError;
+use crate::store::{OnlineRun, StoreError};
 
 /// The migrations, in order: (version, name, SQL). The SQL runs in the transaction of
 /// [`apply`]; the work each leaves for later is in [`online`].
@@ -93,17 +93,6 @@ UPDATE idemgate_keys SET gc_after = expires_at
                          LIMIT $1
                            FOR UPDATE SKIP LOCKED)";
 
-/// What [`online`] did.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct OnlineRun {
-    /// Another instance holds the online lock: it does the work.
-    pub skipped: bool,
-    /// Indexes built (concurrently) by this run.
-    pub indexes_built: usize,
-    /// Rows backfilled by this run.
-    pub rows_filled: u64,
-}
-
 /// Opens the online part's connection on `cfg` (`listen_url`'s). It must be a direct
 /// session: its settings (no statement timeout, [`LOCK_TIMEOUT`]) and its advisory lock are
 /// the session's, which a pooler in transaction mode would lend to others; such a pooler
@@ -128,7 +117,7 @@ pub(super) async fn connect(
         }),
     };
     connected.map_err(|e| {
-        let mut why = crate::forward::error_chain(&e);
+        let mut why = crate::payload::error_chain(&e);
         if why.contains("unsupported startup parameter") {
             why.push_str(
                 " (the online part of the migrations, an index built concurrently, needs a \
@@ -140,7 +129,7 @@ pub(super) async fn connect(
 }
 
 fn db_error(e: tokio_postgres::Error) -> StoreError {
-    StoreError::Db(crate::forward::error_chain(&e))
+    StoreError::Db(crate::payload::error_chain(&e))
 }
 
 /// Applies the pending migrations up to version `last`, in one transaction; a lock not
@@ -189,7 +178,7 @@ pub(super) async fn apply(client: &mut Client, last: i32) -> Result<usize, Store
                     "migrations are pending and the role {role} may not apply them ({}): run \
                      `idemgate migrate` once with a role that owns the schema (CREATE on it, \
                      and owner of the idemgate tables), then serve with this one",
-                    crate::forward::error_chain(&e)
+                    crate::payload::error_chain(&e)
                 )));
             }
             Err(e) => return Err(db_error(e)),

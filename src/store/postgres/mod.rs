@@ -89,8 +89,8 @@ use tokio_postgres::types::Type;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Announce, BoxFuture, Claim, ClaimRequest, Deleted, GcRun, KeyInfo, LeaseToken, Outcome, Slot,
-    Store, StoreError,
+    Announce, BoxFuture, Claim, ClaimRequest, Deleted, GcRun, KeyInfo, LeaseToken, OnlineRun,
+    Outcome, Slot, Store, StoreError,
 };
 use crate::config::{PgTlsMode, PostgresConfig};
 use crate::fingerprint::hex;
@@ -101,7 +101,7 @@ use batch::Limits;
 use batched::Batches;
 use connect::{Connector, PoolerKind};
 use migrate::BACKFILL_GC_AFTER_SQL;
-pub use migrate::{MIGRATIONS, OnlineRun};
+pub use migrate::MIGRATIONS;
 use session::*;
 use statements::*;
 pub use statements::{CHANNEL, CLAIM_NEW_SQL, CLAIM_NEW_TYPES, FINISH_SQL, FINISH_TYPES};

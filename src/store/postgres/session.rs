@@ -209,7 +209,7 @@ pub(super) fn pg_error(e: tokio_postgres::Error) -> StoreError {
         fatal || d.code().code().starts_with("08")
     });
     if e.is_closed() || io || session_ended {
-        let mut why = crate::forward::error_chain(&e);
+        let mut why = crate::payload::error_chain(&e);
         // PgBouncer refuses the `options` startup parameter that a direct session sends:
         // say which field fixes it (the classification above never reads the message).
         if super::connect::refused_options(&e) {
@@ -220,7 +220,7 @@ pub(super) fn pg_error(e: tokio_postgres::Error) -> StoreError {
         }
         return StoreError::Connect(why);
     }
-    StoreError::Db(crate::forward::error_chain(&e))
+    StoreError::Db(crate::payload::error_chain(&e))
 }
 
 impl Db {

@@ -1,0 +1,337 @@
+use std::time::Duration;
+
+use super::*;
+
+const MINIMAL: &str = r#"
+store: { postgres: { url: "postgres://u@localhost/db" } }
+upstreams: { app: { url: "http://127.0.0.1:9000", timeout: 30s } }
+routes:
+  - name: r
+    match: { path_prefix: / }
+    upstream: app
+    idempotency: {}
+"#;
+
+fn err(yaml: &str) -> String {
+    Config::from_yaml_with_env(yaml, &|_| None)
+        .unwrap_err()
+        .to_string()
+}
+
+#[test]
+fn minimal_config_gets_defaults() {
+    let c = Config::from_yaml(MINIMAL).unwrap();
+    let idem = c.routes[0].idempotency.as_ref().unwrap();
+    assert_eq!(idem.lease, Duration::from_secs(45));
+    assert_eq!(idem.ttl, Duration::from_secs(86400));
+    assert_eq!(idem.methods, vec![Method::POST, Method::PATCH]);
+    assert!(idem.retry_statuses.contains(503));
+    assert!(idem.retry_statuses.contains(429));
+    assert!(!idem.retry_statuses.contains(404));
+    assert_eq!(c.listen.to_string(), "0.0.0.0:8080");
+}
+
+#[test]
+fn batch_keys_defaults_to_32_and_is_bounded() {
+    let c = Config::from_yaml(MINIMAL).unwrap();
+    let StoreConfig::Postgres(pg) = &c.store else {
+        panic!("a postgres store: {:?}", c.store)
+    };
+    assert_eq!(pg.batch_keys, 32);
+    for (value, ok) in [("0", false), ("1", true), ("1000", true), ("1001", false)] {
+        let yaml = MINIMAL.replace(
+            r#"url: "postgres://u@localhost/db" }"#,
+            &format!(r#"url: "postgres://u@localhost/db", batch_keys: {value} }}"#),
+        );
+        match Config::from_yaml(&yaml) {
+            Ok(c) => {
+                assert!(ok, "batch_keys {value} was accepted");
+                let StoreConfig::Postgres(pg) = &c.store else {
+                    panic!("a postgres store")
+                };
+                assert_eq!(pg.batch_keys.to_string(), value);
+            }
+            Err(e) => {
+                assert!(!ok, "batch_keys {value} was refused: {e}");
+                assert_eq!(
+                    e.to_string(),
+                    "store.postgres.batch_keys: must be from 1 to 1000"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn lease_not_longer_than_timeout_names_the_path() {
+    let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { lease: 30s }");
+    assert_eq!(
+        err(&yaml),
+        "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s)"
+    );
+}
+
+#[test]
+fn the_database_url_never_reaches_debug_output() {
+    let c = Config::from_yaml(&MINIMAL.replace(
+        "postgres://u@localhost/db",
+        "postgres://u:hunter2@localhost/db",
+    ))
+    .unwrap();
+    let text = format!("{c:?}");
+    assert!(!text.contains("hunter2"), "{text}");
+    assert!(text.contains("<redacted>"));
+}
+
+#[test]
+fn reload_decisions_compare_values() {
+    let a = Config::from_yaml(MINIMAL).unwrap();
+    let b = Config::from_yaml(MINIMAL).unwrap();
+    assert_eq!(a, b);
+    let c = Config::from_yaml(&MINIMAL.replace("timeout: 30s", "timeout: 29s")).unwrap();
+    assert_ne!(a.upstreams, c.upstreams);
+}
+
+#[test]
+fn yield_on_wake_is_accepted_and_no_longer_read() {
+    let retired = "server.yield_on_wake is no longer read; remove it";
+    let plain = Config::from_yaml(MINIMAL).unwrap().warnings();
+    assert!(!plain.iter().any(|w| w == retired), "{plain:?}");
+    let yaml = format!("server: {{ yield_on_wake: false }}\n{MINIMAL}");
+    let warned = Config::from_yaml(&yaml).unwrap().warnings();
+    assert!(warned.iter().any(|w| w == retired), "{warned:?}");
+}
+
+#[test]
+fn the_runtime_is_a_thread_per_core_unless_asked_otherwise() {
+    let c = Config::from_yaml(MINIMAL).unwrap();
+    assert_eq!(c.server.runtime, RuntimeLayout::ThreadPerCore);
+    let yaml = format!("server: {{ runtime: work_stealing }}\n{MINIMAL}");
+    let c = Config::from_yaml(&yaml).unwrap();
+    assert_eq!(c.server.runtime, RuntimeLayout::WorkStealing);
+    let e = err(&format!("server: {{ runtime: per_core }}\n{MINIMAL}"));
+    assert!(
+            e.starts_with("server.runtime: unknown variant `per_core`, expected `thread_per_core` or `work_stealing`"),
+            "{e}"
+        );
+}
+
+#[test]
+fn unknown_fields_name_their_path() {
+    let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { leese: 30s }");
+    let e = err(&yaml);
+    assert!(
+        e.starts_with("routes[0].idempotency.leese: unknown field `leese`, expected one of"),
+        "{e}"
+    );
+}
+
+#[test]
+fn tls_files_that_do_not_exist_are_named() {
+    let yaml = format!(
+        "{MINIMAL}server: {{ tls: {{ cert: /nonexistent/gw.pem, key: /nonexistent/gw.key }} }}\n"
+    );
+    let e = err(&yaml);
+    assert!(
+        e.starts_with("server.tls: cannot read certificates from /nonexistent/gw.pem"),
+        "{e}"
+    );
+    let yaml = MINIMAL.replace(
+        "url: \"http://127.0.0.1:9000\", timeout: 30s",
+        "url: \"http://127.0.0.1:9000\", timeout: 30s, tls: { ca: /x.pem }",
+    );
+    assert_eq!(
+        err(&yaml),
+        "upstreams.app.tls.ca: only an https:// upstream uses a CA"
+    );
+}
+
+#[test]
+fn env_vars_are_interpolated_and_unset_ones_are_named() {
+    let yaml = MINIMAL.replace("postgres://u@localhost/db", "${DB_URL}");
+    let c = Config::from_yaml_with_env(&yaml, &|n| {
+        (n == "DB_URL").then(|| "postgres://x@h/d".to_string())
+    })
+    .unwrap();
+    let StoreConfig::Postgres(pg) = &c.store else {
+        panic!("a postgres store")
+    };
+    assert_eq!(pg.url, "postgres://x@h/d");
+    assert_eq!(
+        err(&yaml),
+        "store.postgres.url: environment variable DB_URL is not set"
+    );
+}
+
+#[test]
+fn async_commit_is_refused_unless_the_config_allows_it() {
+    let allowed = |yaml: &str| match Config::from_yaml(yaml).unwrap().store {
+        StoreConfig::Postgres(pg) => pg.allow_async_commit,
+        StoreConfig::Sqlite(_) => panic!("a postgres store"),
+    };
+    assert!(!allowed(MINIMAL), "off by default");
+    let yaml = MINIMAL.replace(
+        "url: \"postgres://u@localhost/db\"",
+        "url: \"postgres://u@localhost/db\", allow_async_commit: true",
+    );
+    assert!(allowed(&yaml));
+}
+
+#[test]
+fn a_pooler_in_transaction_mode_and_a_listen_url_are_read_and_checked() {
+    let pg = |yaml: &str| match Config::from_yaml(yaml).unwrap().store {
+        StoreConfig::Postgres(pg) => pg,
+        StoreConfig::Sqlite(_) => panic!("a postgres store"),
+    };
+    let plain = pg(MINIMAL);
+    assert_eq!(
+        plain.pooler, None,
+        "learned from the first connection by default"
+    );
+    assert_eq!(plain.listen_url, plain.url, "listen_url defaults to url");
+    let pooled = pg(&MINIMAL.replace(
+        "url: \"postgres://u@localhost/db\"",
+        "url: \"postgres://u@bouncer:6432/db\", pooler: transaction, \
+             listen_url: \"postgres://u@db:5432/db\"",
+    ));
+    assert_eq!(pooled.pooler, Some(Pooler::Transaction));
+    assert_eq!(pooled.url, "postgres://u@bouncer:6432/db");
+    assert_eq!(pooled.listen_url, "postgres://u@db:5432/db");
+    assert_eq!(
+        err(&MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            "url: \"postgres://u@localhost/db\", pooler: session"
+        )),
+        "store.postgres.pooler: 'session' is not one of none, transaction"
+    );
+    assert!(
+        err(&MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            "url: \"postgres://u@localhost/db\", listen_url: \"postgres://u@h:x/db\""
+        ))
+        .starts_with("store.postgres.listen_url: not a valid PostgreSQL connection string"),
+        "the listen URL is checked like the URL, and never echoed"
+    );
+    let warned = |yaml: &str| {
+        Config::from_yaml(yaml)
+            .unwrap()
+            .warnings()
+            .iter()
+            .any(|w| w.contains("listen_url is not set"))
+    };
+    let without_listen = MINIMAL.replace(
+        "url: \"postgres://u@localhost/db\"",
+        "url: \"postgres://u@bouncer:6432/db\", pooler: transaction",
+    );
+    assert_ne!(without_listen, MINIMAL);
+    assert!(warned(&without_listen), "a pooled listener is warned about");
+    assert!(!warned(MINIMAL), "a direct session is not");
+}
+
+#[test]
+fn status_ranges_parse() {
+    let yaml = MINIMAL.replace(
+        "idempotency: {}",
+        "idempotency: { retry_statuses: [409, 500-502] }",
+    );
+    let c = Config::from_yaml(&yaml).unwrap();
+    let s = &c.routes[0].idempotency.as_ref().unwrap().retry_statuses;
+    assert!(s.contains(409) && s.contains(501) && !s.contains(503) && !s.contains(500 - 1));
+    let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { retry_statuses: [600] }");
+    assert!(err(&yaml).contains("routes[0].idempotency.retry_statuses[0]: 600"));
+}
+
+#[test]
+fn mode_is_enforce_unless_the_route_says_observe() {
+    let mode = |yaml: &str| {
+        Config::from_yaml(yaml).unwrap().routes[0]
+            .idempotency
+            .as_ref()
+            .unwrap()
+            .mode
+    };
+    assert_eq!(mode(MINIMAL), Mode::Enforce);
+    let observe = MINIMAL.replace("idempotency: {}", "idempotency: { mode: observe }");
+    assert_eq!(mode(&observe), Mode::Observe);
+    let bad = MINIMAL.replace("idempotency: {}", "idempotency: { mode: shadow }");
+    let e = err(&bad);
+    assert!(
+        e.starts_with(
+            "routes[0].idempotency.mode: unknown variant `shadow`, expected `enforce` or `observe`"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn drain_delay_defaults_to_zero_and_may_be_zero() {
+    let delay = |yaml: &str| Config::from_yaml(yaml).unwrap().server.drain_delay;
+    assert_eq!(delay(MINIMAL), Duration::ZERO);
+    let yaml = format!("{MINIMAL}server: {{ drain_delay: 10s }}\n");
+    assert_eq!(delay(&yaml), Duration::from_secs(10));
+    let yaml = format!("{MINIMAL}server: {{ drain_delay: 0s }}\n");
+    assert_eq!(delay(&yaml), Duration::ZERO);
+    let yaml = format!("{MINIMAL}server: {{ drain_delay: soon }}\n");
+    assert!(err(&yaml).starts_with("server.drain_delay: "));
+}
+
+#[test]
+fn the_names_printed_for_values_are_the_ones_the_config_accepts() {
+    let idem = |field: String| {
+        let yaml = MINIMAL.replace("idempotency: {}", &format!("idempotency: {{ {field} }}"));
+        Config::from_yaml(&yaml).unwrap().routes[0]
+            .idempotency
+            .clone()
+            .unwrap()
+    };
+    for v in [Mode::Enforce, Mode::Observe] {
+        assert_eq!(idem(format!("mode: {}", v.as_str())).mode, v);
+    }
+    for v in [InFlight::Wait, InFlight::Reject] {
+        assert_eq!(idem(format!("in_flight: {}", v.as_str())).in_flight, v);
+    }
+    for v in [OnUnknownOutcome::Reforward, OnUnknownOutcome::Hold] {
+        let field = format!("on_unknown_outcome: {}", v.as_str());
+        assert_eq!(idem(field).on_unknown_outcome, v);
+    }
+    for v in [OnStoreError::Reject, OnStoreError::PassThrough] {
+        assert_eq!(
+            idem(format!("on_store_error: {}", v.as_str())).on_store_error,
+            v
+        );
+    }
+    let pg = |field: String| {
+        let yaml = MINIMAL.replace(
+            "url: \"postgres://u@localhost/db\"",
+            &format!("url: \"postgres://u@localhost/db\", {field}"),
+        );
+        match Config::from_yaml(&yaml).unwrap().store {
+            StoreConfig::Postgres(pg) => pg,
+            StoreConfig::Sqlite(_) => panic!("a postgres store"),
+        }
+    };
+    for v in Pooler::ALL {
+        assert_eq!(pg(format!("pooler: {}", v.as_str())).pooler, Some(v));
+    }
+    // verify-full needs trusted roots on this machine: its spelling is checked by name.
+    for v in PgTlsMode::ALL {
+        if v == PgTlsMode::VerifyFull {
+            assert_eq!(v.as_str(), "verify-full");
+            continue;
+        }
+        assert_eq!(pg(format!("tls: {{ mode: {} }}", v.as_str())).tls, v);
+    }
+    for v in [LogFormat::Text, LogFormat::Json] {
+        let yaml = format!("{MINIMAL}log: {{ format: {} }}\n", v.as_str());
+        assert_eq!(Config::from_yaml(&yaml).unwrap().log_format, v);
+    }
+}
+
+#[test]
+fn unknown_upstream_is_named() {
+    let yaml = MINIMAL.replace("upstream: app", "upstream: nope");
+    assert_eq!(
+        err(&yaml),
+        "routes[0].upstream: no upstream named 'nope' (known: app)"
+    );
+}
