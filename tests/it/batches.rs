@@ -41,10 +41,19 @@ async fn lock_writes(gw: &TestGateway) -> tokio_postgres::Client {
     c
 }
 
-/// Waits until a statement of the gateway waits for the lock, lets the other requests
-/// queue behind it for a while (well within the 3s `acquire_timeout` and
-/// `statement_timeout` of [`gateway`]), and releases the lock.
-async fn release_after_queueing(gw: &TestGateway, lock: tokio_postgres::Client) {
+/// Waits until a statement of the gateway waits for the lock and every request the test
+/// sent is in the gateway (it holds `bodies` bytes of request bodies: none can be answered
+/// while the lock is held), then releases the lock.
+async fn release_once_queued(gw: &TestGateway, lock: tokio_postgres::Client, bodies: usize) {
+    wait_for_the_lock(gw).await;
+    wait_bodies_held(gw, bodies).await;
+    lock.batch_execute("COMMIT")
+        .await
+        .expect("releasing the lock");
+}
+
+/// Waits until a statement of the gateway waits for the lock.
+async fn wait_for_the_lock(gw: &TestGateway) {
     let db = gw.sql().await;
     wait_until(
         "a statement waits for the lock",
@@ -52,10 +61,28 @@ async fn release_after_queueing(gw: &TestGateway, lock: tokio_postgres::Client) 
         || async { lock_waiters(&db).await > 0 },
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    lock.batch_execute("COMMIT")
-        .await
-        .expect("releasing the lock");
+}
+
+/// A store call, not yet polled.
+type StoreCall<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
+
+/// Polls each store call once, then runs them on as tasks. A batched store call queues its
+/// ask before its first wait (`pg_batch::Queue::ask`), so when this returns every one of them
+/// is queued, whatever the scheduler does next.
+async fn queued<T: Send + 'static>(
+    mut calls: Vec<StoreCall<T>>,
+) -> Vec<tokio::task::JoinHandle<T>> {
+    std::future::poll_fn(|cx| {
+        for call in &mut calls {
+            assert!(
+                call.as_mut().poll(cx).is_pending(),
+                "a store call was answered before its batch could run"
+            );
+        }
+        std::task::Poll::Ready(())
+    })
+    .await;
+    calls.into_iter().map(tokio::spawn).collect()
 }
 
 /// `idemgate_store_batch_keys` for `op`: (statements, keys).
@@ -111,7 +138,7 @@ async fn new_keys_waiting_together_share_statements_and_keep_their_own_answers(b
         let (urls, keys) = (urls.clone(), keys.clone());
         tokio::spawn(async move { at_once(&urls, keys, "{\"amount\":1}").await })
     };
-    release_after_queueing(&gw, lock).await;
+    release_once_queued(&gw, lock, N * "{\"amount\":1}".len()).await;
     let first = sent.await.unwrap();
 
     // Every key was executed once and got an answer of its own.
@@ -333,7 +360,7 @@ async fn a_locked_row_fails_no_other_completion_of_its_batch(b: Backend) {
     }
     let finish = |(key, token): (String, idemgate::store::LeaseToken)| {
         let store = gw.store.clone();
-        tokio::spawn(async move {
+        Box::pin(async move {
             let answer = idemgate::replay::StoredResponse {
                 status: 201,
                 headers: vec![],
@@ -348,23 +375,31 @@ async fn a_locked_row_fails_no_other_completion_of_its_batch(b: Backend) {
                     Duration::from_secs(60),
                 )
                 .await
-        })
+        }) as StoreCall<Result<bool, idemgate::store::StoreError>>
     };
     let db = gw.sql().await;
     let operator = hold_row_and_table(&gw, "c0").await;
     let mut tokens = tokens.into_iter();
     // Two completions take the two connections and wait for the table...
-    let first: Vec<_> = tokens.by_ref().skip(1).take(2).map(finish).collect();
+    let first: Vec<_> = tokens
+        .by_ref()
+        .skip(1)
+        .take(2)
+        .map(finish)
+        .map(tokio::spawn)
+        .collect();
     wait_until(
         "two completions wait for the table",
         Duration::from_secs(10),
         || async { lock_waiters(&db).await == 2 },
     )
     .await;
-    // ...and the held key's gathers with six others behind them.
+    // ...and the held key's gathers with six others behind them: all seven are queued
+    // while no connection is free, so one batch takes them.
+    let held = tokens_of(&gw, "c0").await;
     let mut rest: Vec<_> = tokens.map(finish).collect();
-    rest.push(finish(tokens_of(&gw, "c0").await));
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    rest.push(finish(held));
+    let mut rest = queued(rest).await;
     release_table(&operator).await;
     for f in first {
         assert!(f.await.unwrap().unwrap());
@@ -425,8 +460,9 @@ async fn keys_that_exist_in_a_batch_are_left_to_the_full_claim(b: Backend) {
     }
     let lock = lock_writes(&gw).await;
     let urls = vec![gw.url("/pay")];
+    let n = keys.len();
     let sent = tokio::spawn(async move { at_once(&urls, keys, "{}").await });
-    release_after_queueing(&gw, lock).await;
+    release_once_queued(&gw, lock, n * "{}".len()).await;
     let replies = sent.await.unwrap();
 
     assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
@@ -484,33 +520,40 @@ async fn a_batched_completion_is_fenced_by_each_keys_own_lease(b: Backend) {
     .unwrap();
 
     let lock = lock_writes(&gw).await;
-    let finishing: Vec<_> = tokens
-        .into_iter()
-        .map(|(key, token)| {
-            let store = gw.store.clone();
-            tokio::spawn(async move {
-                let answer = idemgate::replay::StoredResponse {
-                    status: 201,
-                    headers: vec![(
-                        http::header::CONTENT_TYPE,
-                        http::HeaderValue::from_static("text/plain"),
-                    )],
-                    body: bytes::Bytes::from(format!("answer of {key}")),
-                };
-                store
-                    .finish(
-                        "s",
-                        &key,
-                        &token,
-                        Outcome::Completed(answer),
-                        Duration::from_secs(60),
-                    )
-                    .await
-                    .unwrap()
+    let finishing = queued(
+        tokens
+            .into_iter()
+            .map(|(key, token)| {
+                let store = gw.store.clone();
+                Box::pin(async move {
+                    let answer = idemgate::replay::StoredResponse {
+                        status: 201,
+                        headers: vec![(
+                            http::header::CONTENT_TYPE,
+                            http::HeaderValue::from_static("text/plain"),
+                        )],
+                        body: bytes::Bytes::from(format!("answer of {key}")),
+                    };
+                    store
+                        .finish(
+                            "s",
+                            &key,
+                            &token,
+                            Outcome::Completed(answer),
+                            Duration::from_secs(60),
+                        )
+                        .await
+                        .unwrap()
+                }) as StoreCall<bool>
             })
-        })
-        .collect();
-    release_after_queueing(&gw, lock).await;
+            .collect(),
+    )
+    .await;
+    // Every completion is queued: the first batch takes them all, and waits for the lock.
+    wait_for_the_lock(&gw).await;
+    lock.batch_execute("COMMIT")
+        .await
+        .expect("releasing the lock");
     let mut written = Vec::new();
     for f in finishing {
         written.push(f.await.unwrap());

@@ -83,18 +83,25 @@ async fn a_retry_after_completion_gets_the_stored_answer_byte_for_byte(b: Backen
 }
 
 async fn thirty_concurrent_duplicates_get_one_execution_and_thirty_identical_answers(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(400),
-        ..Default::default()
-    })
-    .await;
+    const BODY: &str = r#"{"event_id":"storm","amount":5}"#;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
-    let replies = at_once(
-        &[gw.url("/pay")],
-        vec![("acct-1".to_string(), "storm".to_string()); 30],
-        r#"{"event_id":"storm","amount":5}"#,
-    )
-    .await;
+    let urls = [gw.url("/pay")];
+    let storm = tokio::spawn(async move {
+        at_once(
+            &urls,
+            vec![("acct-1".to_string(), "storm".to_string()); 30],
+            BODY,
+        )
+        .await
+    });
+    // The first execution is held at the upstream's gate until all thirty requests are in
+    // the gateway together.
+    gate.wait_arrived(1).await;
+    wait_bodies_held(&gw, 30 * BODY.len()).await;
+    assert_eq!(up.executions(), 1, "one forward while all 30 are in flight");
+    gate.open();
+    let replies = storm.await.unwrap();
     assert_eq!(up.executions(), 1, "one execution for 30 duplicates");
     for r in &replies {
         assert_eq!(r.status, 201, "every duplicate gets the 2xx: {r:?}");
@@ -125,16 +132,15 @@ async fn the_same_key_with_another_body_is_422_and_not_forwarded(b: Backend) {
 }
 
 async fn a_mismatch_against_an_in_flight_request_is_422_too(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let c = client();
     let first = in_flight(&gw.url("/pay"), &up, "a", "k", "one").await;
+    // The first is held at the upstream's gate: the key is in flight.
     let other = post(&c, &gw, "a", "k", "two").await;
     assert_eq!(other.problem(), "fingerprint-mismatch");
+    assert_eq!(up.answered(), 0, "answered while the first was in flight");
+    gate.open();
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(up.executions(), 1);
 }
@@ -204,11 +210,7 @@ async fn a_4xx_answer_is_stored_and_replayed_like_any_other(b: Backend) {
 
 async fn a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored(b: Backend) {
     use tokio::io::AsyncWriteExt;
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let mut s = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
     let body = r#"{"amount":7}"#;
@@ -222,13 +224,9 @@ async fn a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored(b: Backe
     )
     .await
     .unwrap();
-    wait_until(
-        "the upstream got the request",
-        Duration::from_secs(10),
-        || async { up.executions() == 1 },
-    )
-    .await;
-    drop(s); // the client hangs up while the upstream works
+    gate.wait_arrived(1).await;
+    drop(s); // the client hangs up while the upstream holds its request at the gate
+    gate.open();
     wait_until("the answer is stored", Duration::from_secs(10), || async {
         row_state(&gw, "a", "gone").await.as_deref() == Some("completed")
     })
@@ -245,6 +243,8 @@ async fn a_client_that_hangs_up_mid_flight_still_gets_its_answer_stored(b: Backe
 async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
     let up = Upstream::start().await;
     // A short lease; the upstream timeout must stay below it.
+    // (The lease is waited out below by retrying until one is forwarded, with a deadline: no
+    // assertion depends on how long that takes.)
     let (gw, _db) = TestGateway::on_with(b, &up, "lease: 3s\n      in_flight: reject", |y| {
         y.patch("timeout: 5s", "timeout: 1s")
     })
@@ -281,6 +281,11 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
         .unwrap();
     assert!(matches!(claimed, idemgate::store::Claim::Acquired { .. }));
 
+    assert_eq!(
+        lease_events(&gw, "payments", "taken_over").await,
+        0.0,
+        "no takeover yet"
+    );
     let early = post(&c, &gw, "a", "crashed", body).await;
     assert_eq!(early.status, 409, "a live lease is respected");
     assert_eq!(early.problem(), "in-flight");
@@ -314,47 +319,46 @@ async fn an_expired_lease_is_taken_over_and_forwarded_again(b: Backend) {
         .unwrap();
     assert_eq!(info.state, "completed");
     assert_eq!(info.attempts, 2, "the takeover is counted on the row");
+    assert_eq!(
+        lease_events(&gw, "payments", "taken_over").await,
+        1.0,
+        "and in idemgate_leases_total, once, for the route"
+    );
 }
 
 async fn a_duplicate_in_flight_is_409_with_retry_after_when_rejecting(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(600),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "in_flight: reject").await;
     let c = client();
+    // Held at the upstream's gate: in flight until the test lets it through.
     let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let dup = post(&c, &gw, "a", "k", "x").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert_eq!(dup.headers["retry-after"], "1");
+    gate.open();
     assert_eq!(first.await.unwrap().status, 201);
     assert!(post(&c, &gw, "a", "k", "x").await.replayed());
     assert_eq!(up.executions(), 1);
 }
 
 async fn a_wait_that_runs_out_is_409(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1500),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "wait_timeout: 300ms").await;
     let c = client();
+    // Held at the upstream's gate until the duplicate's wait has run out.
     let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
     let dup = post(&c, &gw, "a", "k", "x").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
     assert!(dup.headers.contains_key("retry-after"));
+    assert_eq!(up.answered(), 0, "the first was still in flight");
+    gate.open();
     assert_eq!(first.await.unwrap().status, 201);
     assert_eq!(up.executions(), 1);
 }
 
 async fn an_upstream_timeout_is_504_and_reforward_releases_the_key(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(3000),
-        ..Default::default()
-    })
-    .await;
+    // The first execution is held at the upstream's gate for good: it outlives its timeout.
+    let (up, _gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on_with(b, &up, "lease: 5s", |y| {
         y.patch("timeout: 5s", "timeout: 500ms")
     })
@@ -378,11 +382,8 @@ async fn an_upstream_timeout_is_504_and_reforward_releases_the_key(b: Backend) {
 }
 
 async fn a_held_key_whose_outcome_is_unknown_is_502_until_deleted(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(3000),
-        ..Default::default()
-    })
-    .await;
+    // The first execution is held at the upstream's gate for good: it outlives its timeout.
+    let (up, _gate) = Upstream::start_gated().await;
     let (gw, _db) =
         TestGateway::on_with(b, &up, "lease: 5s\n      on_unknown_outcome: hold", |y| {
             y.patch("timeout: 5s", "timeout: 500ms")
@@ -435,13 +436,22 @@ async fn a_response_too_large_to_store_reaches_the_first_client_whole_and_retrie
 }
 
 async fn at_most_max_in_flight_forwards_per_scope_run_at_once(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(150),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = serialized(b, &up, 2, "10s").await;
-    let replies = crate::serialize::burst(&[gw.url("/pay")], "acct", 10).await;
+    let urls = [gw.url("/pay")];
+    let sent = tokio::spawn(async move { crate::serialize::burst(&urls, "acct", 10).await });
+    // Two forwards held at the upstream's gate while all ten requests are in the gateway:
+    // the other eight wait for a slot. Then the gate lets one through at a time, and each
+    // time one more is forwarded (a third beside two held ones would wait at the gate too,
+    // and be counted).
+    wait_bodies_held(&gw, 10 * "e".len()).await;
+    gate.wait_arrived(2).await;
+    for n in 3..=10 {
+        gate.release(1);
+        gate.wait_arrived(n).await;
+    }
+    gate.open();
+    let replies = sent.await.unwrap();
     assert!(replies.iter().all(|r| r.status == 201), "{replies:?}");
     assert_eq!(up.executions(), 10);
     assert!(
@@ -449,16 +459,14 @@ async fn at_most_max_in_flight_forwards_per_scope_run_at_once(b: Backend) {
         "max {} at once",
         up.max_concurrency()
     );
+    assert_eq!(up.max_concurrency(), 2, "the limit was reached");
 }
 
 async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(900),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = serialized(b, &up, 1, "200ms").await;
     let c = client();
+    // The first holds the scope's only slot while the upstream holds it at the gate.
     let first = in_flight(&gw.url("/pay"), &up, "a", "first", "e").await;
     let second = post(&c, &gw, "a", "second", "e").await;
     assert_eq!(
@@ -471,6 +479,7 @@ async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend)
         None,
         "released: nothing was forwarded"
     );
+    gate.open();
     assert_eq!(first.await.unwrap().status, 201);
     // Now the slot is free: the retry goes through.
     assert_eq!(post(&c, &gw, "a", "second", "e").await.status, 201);
@@ -480,6 +489,7 @@ async fn a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key(b: Backend)
 /// Two keyed routes on one scope: while a request of the limit-1 route is forwarded, no
 /// other request of the scope is, and never more than 3 (the other route's limit) at all.
 async fn two_routes_on_one_scope_each_keep_their_own_limit(b: Backend) {
+    // A slow upstream so that forwards overlap; the assertions hold however long it is.
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(100),
         ..Default::default()
@@ -618,7 +628,14 @@ async fn a_finish_with_a_lost_lease_writes_nothing(b: Backend) {
     else {
         panic!("a new key is acquired")
     };
+    // Retried until the 50ms lease has ended (with a deadline): no assertion depends on how
+    // long that takes.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let new = loop {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after 10s waiting until the 50ms lease of k can be taken over"
+        );
         match gw
             .store
             .claim(claim_req(

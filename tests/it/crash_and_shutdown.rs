@@ -23,27 +23,26 @@ fn yaml(db: &str, upstream: &str, idem: &str, grace: &str) -> String {
 
 #[tokio::test]
 async fn a_gateway_killed_mid_request_forwards_again_after_the_lease_with_reforward() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1000),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let db = pg::fresh_database().await;
     let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "5s")).await;
     let c = client();
+    // Killed while the upstream holds the request at its gate.
     let first = in_flight_try(&gw.url("/pay"), &up, "a", "evt-1", "evt").await;
     gw.kill();
     assert!(
         first.await.unwrap().is_err(),
         "the killed gateway's client got no answer"
     );
+    gate.open();
     gw.restart().await;
 
     // Before the lease ends: in flight, never a 2xx for work that was not stored.
     let early = post_to(&c, &gw.url("/pay"), "a", "evt-1", "evt").await;
     assert_eq!((early.status, early.problem().as_str()), (409, "in-flight"));
 
-    // After it: forwarded again, with the same key header, and completed.
+    // After it: forwarded again, with the same key header, and completed. (Retried until
+    // then, with a deadline: no assertion depends on how long the lease takes to end.)
     let url = gw.url("/pay");
     wait_until(
         "the retry is forwarded and answered",
@@ -81,18 +80,16 @@ async fn a_gateway_killed_mid_request_forwards_again_after_the_lease_with_reforw
 
 #[tokio::test]
 async fn a_gateway_killed_mid_request_holds_the_key_until_an_operator_deletes_it() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1000),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let db = pg::fresh_database().await;
     let mut gw =
         GatewayProcess::start(&yaml(&db, &up.url(), "on_unknown_outcome: hold", "5s")).await;
     let c = client();
+    // Killed while the upstream holds the request at its gate.
     let first = in_flight_try(&gw.url("/pay"), &up, "a", "evt-2", "evt").await;
     gw.kill();
     assert!(first.await.unwrap().is_err());
+    gate.open();
     gw.restart().await;
 
     let url = gw.url("/pay");
@@ -135,11 +132,7 @@ async fn a_gateway_killed_mid_request_holds_the_key_until_an_operator_deletes_it
 
 #[tokio::test]
 async fn sigterm_drains_in_flight_requests_stores_them_and_exits() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1000),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let db = pg::fresh_database().await;
     let gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "10s")).await;
     let c = client();
@@ -158,20 +151,18 @@ async fn sigterm_drains_in_flight_requests_stores_them_and_exits() {
             .await
         }));
     }
-    wait_until(
-        "all five are at the upstream",
-        Duration::from_secs(10),
-        || async { up.executions() == 5 },
-    )
-    .await;
-    terminate_and_drain(gw, &db, tasks).await;
+    gate.wait_arrived(5).await;
+    terminate_and_drain(gw, &db, &up, &gate, tasks).await;
 }
 
-/// Sends SIGTERM while `tasks` are in flight: the listener stops accepting while they are
-/// still being answered, every one is answered 201 and stored, and the process exits cleanly.
+/// Sends SIGTERM while `tasks` are held at the upstream's `gate`: the listener stops
+/// accepting while they are still in flight; then the upstream answers them, every one is
+/// answered 201 and stored, and the process exits cleanly.
 async fn terminate_and_drain(
     mut gw: GatewayProcess,
     db: &str,
+    up: &Upstream,
+    gate: &Gate,
     tasks: Vec<tokio::task::JoinHandle<Result<Reply, String>>>,
 ) {
     gw.terminate();
@@ -182,6 +173,8 @@ async fn terminate_and_drain(
         || async { tokio::net::TcpStream::connect(addr).await.is_err() },
     )
     .await;
+    assert_eq!(up.answered(), 0, "refused while every request is in flight");
+    gate.open();
     let n = tasks.len();
     for t in tasks {
         let r = t.await.unwrap().expect("in-flight requests are answered");
@@ -206,11 +199,8 @@ async fn terminate_and_drain(
 
 #[tokio::test]
 async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1400),
-        ..Default::default()
-    })
-    .await;
+    // The upstream holds the request at its gate until the process has exited.
+    let (up, gate) = Upstream::start_gated().await;
     let db = pg::fresh_database().await;
     let mut gw = GatewayProcess::start(&yaml(&db, &up.url(), "", "300ms")).await;
     let first = in_flight_try(&gw.url("/pay"), &up, "a", "late", "evt").await;
@@ -221,6 +211,7 @@ async fn a_request_still_in_flight_when_the_grace_ends_is_left_to_its_lease() {
         0,
         "the process exited before the upstream answered"
     );
+    gate.open();
     let r = first.await.unwrap();
     assert!(r.is_err(), "no answer, certainly no 2xx: {r:?}");
     let state = key_state(&db, "late").await;
@@ -244,11 +235,7 @@ async fn sigterm_drains_the_requests_of_every_serving_thread() {
     // `server.runtime: thread_per_core` (the default) with four threads: three of them
     // started beside the main one, each accepting from the same socket. Twelve requests on
     // twelve connections are spread over them by the kernel; a drain must wait for all.
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(1000),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let db = pg::fresh_database().await;
     let config = yaml(&db, &up.url(), "", "10s").patch("server: {", "server: { worker_threads: 4,");
     let gw = GatewayProcess::start(&config).await;
@@ -276,23 +263,14 @@ async fn sigterm_drains_the_requests_of_every_serving_thread() {
     for i in 0..12 {
         tasks.push(in_flight_try(&gw.url("/pay"), &up, "a", &format!("d{i}"), "e").await);
     }
-    wait_until(
-        "all twelve are at the upstream",
-        Duration::from_secs(10),
-        || async { up.executions() == 12 },
-    )
-    .await;
-    terminate_and_drain(gw, &db, tasks).await;
+    gate.wait_arrived(12).await;
+    terminate_and_drain(gw, &db, &up, &gate, tasks).await;
     assert_eq!(up.executions(), 12);
 }
 
 #[tokio::test]
 async fn the_work_stealing_runtime_serves_and_drains_too() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let up = Upstream::start().await;
     let db = pg::fresh_database().await;
     let config = yaml(&db, &up.url(), "", "10s").patch(
         "server: {",
@@ -334,8 +312,22 @@ async fn the_work_stealing_runtime_serves_and_drains_too() {
     .unwrap();
     assert_eq!(retry.status, 201);
     assert_eq!(up.executions(), 1, "the retry was replayed");
+    // Held at the upstream's gate until the drain has begun (new connections refused).
+    let gate = Gate::new();
+    up.set(Behavior {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
     let late = in_flight_try(&gw.url("/pay"), &up, "a", "w2", "e").await;
     gw.terminate();
+    let addr = gw.addr;
+    wait_until(
+        "new connections are refused",
+        Duration::from_secs(5),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    gate.open();
     let r = late.await.unwrap().expect("answered during the drain");
     assert_eq!(r.status, 201);
     assert!(

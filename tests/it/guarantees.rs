@@ -35,16 +35,14 @@ async fn lock_row(gw: &TestGateway, scope: &str, key: &str) -> tokio_postgres::C
 }
 
 async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(300),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
-    // While the upstream works, the test locks the row: every completion attempt waits
-    // for the lock until its statement timeout (1s in the test config).
+    // While the upstream holds the request at its gate, the test locks the row; then the
+    // upstream answers, and every completion attempt waits for the lock until its statement
+    // timeout (1s in the test config).
     let locker = lock_row(&gw, &scoped("a"), "k").await;
+    gate.open();
     let r = task.await.unwrap();
     assert_eq!(up.answered(), 1, "the upstream did the work");
     assert_eq!(
@@ -64,14 +62,12 @@ async fn guarantee_3_an_answer_that_cannot_be_recorded_is_503_never_the_2xx(b: B
 }
 
 async fn guarantee_3_the_client_gets_its_answer_only_once_it_is_committed(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(300),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (gw, _db) = TestGateway::on(b, &up, "").await;
     let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
+    // The row is locked while the upstream holds the request at its gate, then it answers.
     let locker = lock_row(&gw, &scoped("a"), "k").await;
+    gate.open();
     // The completion now waits behind our lock (its statement timeout is 1s).
     let watcher = gw.sql().await;
     wait_for_a_lock_waiter(&watcher).await;
@@ -87,14 +83,11 @@ async fn guarantee_3_the_client_gets_its_answer_only_once_it_is_committed(b: Bac
 
 #[tokio::test]
 async fn a_lease_lost_at_the_gateway_still_answers_its_client_and_is_counted() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(500),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let gw = TestGateway::with_upstream(&up, "").await;
     let task = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
-    // An operator forces the key away mid-flight: the holder's lease is gone.
+    // An operator forces the key away mid-flight (the upstream holds the request at its
+    // gate): the holder's lease is gone.
     let forced = admin_request(
         &gw,
         http::Method::DELETE,
@@ -103,6 +96,12 @@ async fn a_lease_lost_at_the_gateway_still_answers_its_client_and_is_counted() {
     )
     .await;
     assert_eq!(forced.status, 204);
+    assert_eq!(
+        up.answered(),
+        0,
+        "forced away while the upstream still works"
+    );
+    gate.open();
     let r = task.await.unwrap();
     assert_eq!(
         r.status, 201,
@@ -123,17 +122,26 @@ async fn a_lease_lost_at_the_gateway_still_answers_its_client_and_is_counted() {
 
 #[tokio::test]
 async fn a_waiter_forwards_itself_once_the_first_attempt_released_its_key() {
+    let gate = Gate::new();
     let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(400),
+        gate: Some(gate.clone()),
         script: vec![503],
         ..Default::default()
     })
     .await;
     let gw = TestGateway::with_upstream(&up, "").await;
     let first = in_flight(&gw.url("/pay"), &up, "a", "k", "x").await;
-    // A duplicate arrives while the first is in flight: it waits (in_flight: wait).
+    // A duplicate arrives while the first is held at the upstream's gate: it waits
+    // (in_flight: wait). Only then does the upstream answer the first.
     let url = gw.url("/pay");
     let waiter = tokio::spawn(async move { post_to(&client(), &url, "a", "k", "x").await });
+    wait_until(
+        "the duplicate waits for the key",
+        Duration::from_secs(10),
+        || async { gw.gateway.inflight().waited_keys() == 1 },
+    )
+    .await;
+    gate.open();
     let first = first.await.unwrap();
     assert_eq!(
         first.status, 503,
@@ -175,11 +183,8 @@ async fn a_key_whose_ttl_ran_out_is_forwarded_again() {
 /// `outcome-unknown` and nothing is forwarded until `ttl` passes; then a retry is forwarded.
 #[tokio::test]
 async fn a_held_key_is_forwarded_again_once_its_ttl_ran_out() {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_secs(10),
-        ..Default::default()
-    })
-    .await;
+    // The first execution is held at the upstream's gate for good: it outlives its timeout.
+    let (up, _gate) = Upstream::start_gated().await;
     let idem = "ttl: 4s\n      lease: 3s\n      on_unknown_outcome: hold";
     let (gw, _db) = TestGateway::on_with(Backend::Postgres, &up, idem, |y| {
         y.patch(

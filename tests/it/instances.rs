@@ -50,19 +50,34 @@ fn assert_one_answer(replies: &[Reply]) {
 }
 
 async fn a_completion_on_one_instance_wakes_waiters_on_the_other(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(600),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;
     let a = TestGateway::start(&yaml, &db).await;
     let b = TestGateway::start(&yaml, &db).await;
     wakeups_flow(&a).await;
     wakeups_flow(&b).await;
+    // Held at the upstream's gate: in flight on A until the test lets it through.
     let first = in_flight(&a.url("/pay"), &up, "a", "k", "evt").await;
-    // 29 duplicates wait on instance B.
-    let replies = storm(&[b.url("/pay")], 29, "k").await;
+    // 29 duplicates wait on instance B: all of them in B, and B waiting for the key.
+    let urls = [b.url("/pay")];
+    let dups = tokio::spawn(async move { storm(&urls, 29, "k").await });
+    wait_bodies_held(&b, 29 * "evt".len()).await;
+    let sql = b.sql().await;
+    wait_until(
+        "B's requests wait for the key, and its row asks for an announcement",
+        Duration::from_secs(10),
+        || async {
+            b.gateway.inflight().waited_keys() == 1
+                && sql
+                    .query_one("SELECT waiters FROM idemgate_keys WHERE key = 'k'", &[])
+                    .await
+                    .unwrap()
+                    .get::<_, bool>(0)
+        },
+    )
+    .await;
+    gate.open();
+    let replies = dups.await.unwrap();
     let mut all = vec![first.await.unwrap()];
     all.extend(replies);
     assert_one_answer(&all);
@@ -150,20 +165,31 @@ async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
 }
 
 async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) {
-    let up = Upstream::start_with(Behavior {
-        delay: Duration::from_millis(400),
-        ..Default::default()
-    })
-    .await;
+    let (up, gate) = Upstream::start_gated().await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;
     let gw = TestGateway::start_config(without_wakeups(&yaml), &db).await;
     assert!(!gw.gateway.inflight().healthy());
-    assert_one_answer(&storm(&[gw.url("/pay")], 20, "polled").await);
+    let urls = [gw.url("/pay")];
+    let dups = tokio::spawn(async move { storm(&urls, 20, "polled").await });
+    // The first is held at the upstream's gate until all twenty are in the gateway and the
+    // others wait for the key.
+    gate.wait_arrived(1).await;
+    wait_bodies_held(&gw, 20 * "evt".len()).await;
+    wait_until(
+        "the duplicates wait for the key",
+        Duration::from_secs(10),
+        || async { gw.gateway.inflight().waited_keys() == 1 },
+    )
+    .await;
+    gate.open();
+    assert_one_answer(&dups.await.unwrap());
     assert_eq!(up.executions(), 1);
     assert_eq!(gw.gateway.inflight().stats.woken.load(Ordering::Relaxed), 0);
 }
 
 async fn thirty_duplicates_across_two_gateway_processes_execute_once(b: Backend) {
+    // A slow upstream so that the storm's duplicates meet one in flight; the assertions hold
+    // however long it is. The second part holds its request at a gate instead.
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(500),
         ..Default::default()
@@ -180,9 +206,16 @@ async fn thirty_duplicates_across_two_gateway_processes_execute_once(b: Backend)
     let a = GatewayProcess::start(&yaml).await;
     let b2 = GatewayProcess::start(&yaml).await;
     let c = client();
+    let gate = Gate::new();
+    up.set(Behavior {
+        gate: Some(gate.clone()),
+        ..Default::default()
+    });
+    // Held at the upstream's gate: in flight on A until the test lets it through.
     let first = in_flight(&a.url("/pay"), &up, "a", "k2", "evt").await;
     let dup = post_to(&c, &b2.url("/pay"), "a", "k2", "evt").await;
     assert_eq!((dup.status, dup.problem().as_str()), (409, "in-flight"));
+    gate.open();
     assert_eq!(first.await.unwrap().status, 201);
     assert!(
         post_to(&c, &b2.url("/pay"), "a", "k2", "evt")
@@ -220,14 +253,14 @@ async fn a_key_nobody_waits_for_is_finished_without_an_announcement(b: Backend) 
         .unwrap();
     let first = tokio::time::timeout(Duration::from_secs(10), async {
         loop {
-            let got = rx.recv().await.unwrap();
+            let got = rx.recv().await.expect("the notification stream ended");
             if !got.starts_with("probe:") {
                 return got;
             }
         }
     })
     .await
-    .unwrap();
+    .expect("timed out after 10s waiting for a notification other than a probe");
     assert_eq!(first, "sentinel", "the completion was not announced");
 }
 
@@ -247,6 +280,8 @@ async fn three_processes(yaml: &str) -> Vec<GatewayProcess> {
 /// busy with the other tests can answer one of them 503, as it should; this test is about one
 /// execution and one answer, so it gives the queue room.
 async fn three_hundred_duplicates_across_three_gateway_processes_execute_once(b: Backend) {
+    // A slow upstream so that duplicates meet one in flight; the assertions hold however long
+    // it is.
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(500),
         ..Default::default()
@@ -317,6 +352,8 @@ fn store_block_of(yaml: &str) -> String {
 /// again. Nothing is lost (every event gets its 2xx), nothing runs twice (SIGTERM drains), and
 /// every 2xx is the answer of the one execution of its own key.
 async fn a_rolling_restart_under_load_loses_nothing_and_every_2xx_names_real_work(b: Backend) {
+    // A slow upstream so that restarts meet requests in flight; the assertions hold however
+    // long it is.
     let up = Upstream::start_with(Behavior {
         delay: Duration::from_millis(50),
         ..Default::default()

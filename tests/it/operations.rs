@@ -301,18 +301,43 @@ async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
         body,
     )
     .await;
+    // A retry, answered from the store without the upstream.
+    let retry = send(
+        &c,
+        Method::POST,
+        &gw.url("/pay"),
+        &[
+            ("idempotency-key", "raw-key-secret"),
+            ("x-account-id", "acct-secret"),
+            ("authorization", "Bearer credential-secret"),
+        ],
+        body,
+    )
+    .await;
+    assert!(retry.replayed(), "{retry:?}");
     wait_until(
-        "the access line is written",
+        "both access lines are written",
         Duration::from_secs(10),
-        || async { gw.log_text().contains("\"outcome\":\"forwarded\"") },
+        || async {
+            let log = gw.log_text();
+            log.contains("\"outcome\":\"forwarded\"") && log.contains("\"outcome\":\"replayed\"")
+        },
     )
     .await;
     let log = gw.log_text();
-    let line = log
+    let access: Vec<serde_json::Value> = log
         .lines()
-        .find(|l| l.contains("\"outcome\":\"forwarded\""))
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        .filter(|l| l.contains("\"outcome\":"))
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(access.len(), 2, "one line per request:\n{log}");
+    let line_of = |outcome: &str| {
+        access
+            .iter()
+            .find(|l| l["outcome"] == outcome)
+            .unwrap_or_else(|| panic!("no {outcome} line:\n{log}"))
+    };
+    let (v, replayed) = (line_of("forwarded"), line_of("replayed"));
     assert_eq!(v["route"], "payments");
     assert_eq!(v["status"], 201);
     assert_eq!(
@@ -320,7 +345,12 @@ async fn json_access_logs_have_one_line_per_request_and_no_secrets() {
         32,
         "the key appears only as its hash"
     );
+    assert_eq!(replayed["key"], v["key"], "the same key, the same hash");
+    // The upstream's time is measured for a forwarded request; a replay never reached it
+    // (-1).
     assert!(v["upstream_us"].as_i64().unwrap() >= 0);
+    assert_eq!(replayed["upstream_us"], -1, "{replayed}");
+    assert_ne!(replayed["request_id"], v["request_id"]);
     assert!(v["duration_us"].as_u64().unwrap() >= v["upstream_us"].as_u64().unwrap());
     assert_eq!(v["proto"], "HTTP/1.1");
     assert_eq!(v["client"], "127.0.0.1");

@@ -190,17 +190,33 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
         || async { refusals.load(Ordering::SeqCst) > 0 },
     )
     .await;
+    // While the store is down nothing new is claimed, so nothing new is forwarded: beyond
+    // what was executing at the crash, at most one request per load worker (one it had
+    // claimed just before the crash), and none of the probes.
+    let before_restart = up.executions();
+    assert!(
+        before_restart <= during + 8,
+        "{} executions during the outage for 8 workers",
+        before_restart - during
+    );
     let _cluster = cluster.restarted().await;
     let probes = std::sync::atomic::AtomicUsize::new(0);
-    let probes_ok = std::sync::atomic::AtomicUsize::new(0);
+    let probes_refused = std::sync::atomic::AtomicUsize::new(0);
     wait_until(
         "traffic recovers without a restart",
         Duration::from_secs(20),
         || async {
             let n = probes.fetch_add(1, Ordering::SeqCst);
             let r = post(&c, &gw, "probe", &format!("after-{n}"), "x").await;
-            if r.status == 201 {
-                probes_ok.fetch_add(1, Ordering::SeqCst);
+            if r.status != 201 {
+                // A probe not answered is refused before anything is forwarded.
+                assert_eq!(
+                    (r.status, r.problem().as_str()),
+                    (503, "store-unavailable"),
+                    "{r:?}"
+                );
+                assert!(!not_recorded(&r), "a probe was forwarded unrecorded: {r:?}");
+                probes_refused.fetch_add(1, Ordering::SeqCst);
             }
             r.status == 201
         },
@@ -226,11 +242,25 @@ async fn a_postgres_crash_under_load_forwards_nothing_unclaimed_and_recovers(b: 
             }
         }
     }
-    assert!(during <= up.executions());
+    // The probes: of all those sent during and after the outage, only the one answered 201
+    // reached the upstream.
+    // (The load's keys are `w{worker}-{i}`; the probes' `p{i}` and `after-{n}`.)
+    let probe_keys: Vec<String> = up
+        .seen()
+        .iter()
+        .map(|s| s.headers["idempotency-key"].to_str().unwrap().to_string())
+        .filter(|k| !k.starts_with('w'))
+        .collect();
+    let last = probes.load(Ordering::SeqCst) - 1;
+    assert_eq!(
+        probe_keys,
+        [format!("after-{last}")],
+        "{} probes refused after the restart",
+        probes_refused.load(Ordering::SeqCst)
+    );
+    let probes_ok = probe_keys.len();
     // Every execution is a stored answer or a request forwarded before the crash whose answer
     // could not be recorded: no request refused with 503 store-unavailable was forwarded.
-    let probes_ok = probes_ok.load(Ordering::SeqCst);
-    assert_eq!(probes_ok, 1);
     assert_eq!(
         up.executions(),
         ok + unrecorded + probes_ok,

@@ -27,7 +27,7 @@ use idemgate::store::Store;
 use idemgate::store::postgres::PgStore;
 use tokio::net::TcpListener;
 
-pub use upstream::{Behavior, Upstream};
+pub use upstream::{Behavior, Gate, Upstream};
 
 /// The default keyed route used by most tests, on Postgres; `{idem}` adds idempotency fields.
 pub fn config_yaml(db: &str, upstream: &str, idem: &str) -> String {
@@ -670,6 +670,24 @@ pub async fn lock_waiters(db: &tokio_postgres::Client) -> i64 {
     .get(0)
 }
 
+/// Waits until `gw` holds exactly `bytes` of request bodies. A keyed request holds its body
+/// from its arrival until it is answered, so while the test keeps every answer back (a
+/// closed [`Gate`], a held lock), this is "every request the test sent is in the gateway".
+pub async fn wait_bodies_held(gw: &TestGateway, bytes: usize) {
+    let limit = Duration::from_secs(10);
+    let deadline = tokio::time::Instant::now() + limit;
+    while gw.gateway.buffered_bytes() != bytes {
+        if tokio::time::Instant::now() >= deadline {
+            panic!(
+                "timed out after {limit:?} waiting until the gateway holds {bytes} bytes of \
+                 request bodies (it holds {})",
+                gw.gateway.buffered_bytes()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits until one session of the current database waits for a lock (a claim blocked
 /// behind an uncommitted transaction).
 pub async fn wait_for_a_lock_waiter(db: &tokio_postgres::Client) {
@@ -688,6 +706,19 @@ pub fn metric(text: &str, line_start: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no metric line starting with {line_start} in:\n{text}"))
+}
+
+/// `idemgate_leases_total{route, event}` as `gw` reports it now (0 while the series does not
+/// exist: it appears at its first event).
+pub async fn lease_events(gw: &TestGateway, route: &str, event: &str) -> f64 {
+    let scraped = admin_request(gw, Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&scraped.body);
+    let series = format!("idemgate_leases_total{{route=\"{route}\",event=\"{event}\"}} ");
+    if text.lines().any(|l| l.starts_with(&series)) {
+        metric(&text, &series)
+    } else {
+        0.0
+    }
 }
 
 /// Waits until `cond` holds, checking every 20 ms, failing the test after `limit`.

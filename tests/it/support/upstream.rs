@@ -6,6 +6,10 @@
 //! never produce the same bytes, plus a `set-cookie` and an `x-upstream` header (which a
 //! replay must not carry) and an `etag` (which it must).
 //!
+//! A [`Gate`] holds executions where the test wants them: each one is counted (and seen) at
+//! once, then waits at the gate until the test lets it through, so "the request is now in
+//! flight" is a fact the test waits for, never a delay it hopes is long enough.
+//!
 //! It also counts concurrency: the most executions in progress at once, overall and while
 //! an execution of a given path was among them ([`Upstream::max_concurrency_beside`]).
 
@@ -23,12 +27,97 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
+use tokio::sync::{Semaphore, watch};
+
+/// Holds executions until the test lets them through. Closed when made: every execution that
+/// reaches it (counted, its request seen) waits there until [`release`](Gate::release) lets
+/// some through or [`open`](Gate::open) lets every one through, now and from then on. Clones
+/// share one gate.
+#[derive(Clone)]
+pub struct Gate(Arc<GateState>);
+
+struct GateState {
+    /// One permit per execution let through; closed once the gate is open for good.
+    permits: Semaphore,
+    /// How many executions reached the gate (including those already let through).
+    arrived: watch::Sender<usize>,
+}
+
+impl std::fmt::Debug for Gate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gate")
+            .field("arrived", &self.arrived())
+            .field("open", &self.0.permits.is_closed())
+            .finish()
+    }
+}
+
+impl Default for Gate {
+    fn default() -> Self {
+        Gate::new()
+    }
+}
+
+impl Gate {
+    /// A closed gate.
+    pub fn new() -> Gate {
+        Gate(Arc::new(GateState {
+            permits: Semaphore::new(0),
+            arrived: watch::Sender::new(0),
+        }))
+    }
+
+    /// Lets `n` more executions through (those waiting first, in arrival order).
+    pub fn release(&self, n: usize) {
+        self.0.permits.add_permits(n);
+    }
+
+    /// Lets every execution through, the waiting ones and all that come later.
+    pub fn open(&self) {
+        self.0.permits.close();
+    }
+
+    /// How many executions reached the gate so far.
+    pub fn arrived(&self) -> usize {
+        *self.0.arrived.borrow()
+    }
+
+    /// Waits until `n` executions reached the gate (10 s at most, then the test fails).
+    pub async fn wait_arrived(&self, n: usize) {
+        self.wait_arrived_within(n, Duration::from_secs(10)).await;
+    }
+
+    /// As [`wait_arrived`](Self::wait_arrived), with a deadline of `limit`.
+    pub async fn wait_arrived_within(&self, n: usize, limit: Duration) {
+        let mut arrived = self.0.arrived.subscribe();
+        let reached = tokio::time::timeout(limit, arrived.wait_for(|a| *a >= n)).await;
+        if reached.is_err() {
+            panic!(
+                "timed out after {limit:?} waiting until {n} executions reached the upstream's \
+                 gate ({} did)",
+                self.arrived()
+            );
+        }
+    }
+
+    /// Counts an execution's arrival, then waits until it is let through.
+    async fn pass(&self) {
+        self.0.arrived.send_modify(|a| *a += 1);
+        // An error: the gate is open for good.
+        if let Ok(permit) = self.0.permits.acquire().await {
+            permit.forget();
+        }
+    }
+}
 
 /// What the upstream does with the next requests.
 #[derive(Clone, Debug)]
 pub struct Behavior {
-    /// Pause after counting the execution, before answering.
+    /// Pause after counting the execution (and after the gate, if any), before answering.
+    /// For an upstream that is slow on purpose; to hold a request in flight, use `gate`.
     pub delay: Duration,
+    /// Holds each execution, once counted, until the test lets it through.
+    pub gate: Option<Gate>,
     pub status: u16,
     /// A fixed body; `None` for the default JSON naming the execution.
     pub body: Option<Bytes>,
@@ -42,6 +131,7 @@ impl Default for Behavior {
     fn default() -> Self {
         Behavior {
             delay: Duration::ZERO,
+            gate: None,
             status: 201,
             body: None,
             script: Vec::new(),
@@ -112,6 +202,17 @@ pub struct Upstream {
 impl Upstream {
     pub async fn start() -> Upstream {
         Upstream::start_with(Behavior::default()).await
+    }
+
+    /// An upstream whose executions wait at a closed gate (see [`Gate`]), and the gate.
+    pub async fn start_gated() -> (Upstream, Gate) {
+        let gate = Gate::new();
+        let up = Upstream::start_with(Behavior {
+            gate: Some(gate.clone()),
+            ..Default::default()
+        })
+        .await;
+        (up, gate)
     }
 
     pub async fn start_with(behavior: Behavior) -> Upstream {
@@ -237,15 +338,24 @@ async fn answer(state: &State, req: Request<Incoming>) -> Response<Full<Bytes>> 
         headers: parts.headers.clone(),
         body: body.clone(),
     });
-    let (delay, status, fixed, extra) = {
+    let (delay, gate, status, fixed, extra) = {
         let mut b = state.behavior.lock().unwrap();
         let status = if b.script.is_empty() {
             b.status
         } else {
             b.script.remove(0)
         };
-        (b.delay, status, b.body.clone(), b.headers.clone())
+        (
+            b.delay,
+            b.gate.clone(),
+            status,
+            b.body.clone(),
+            b.headers.clone(),
+        )
     };
+    if let Some(gate) = gate {
+        gate.pass().await;
+    }
     if !delay.is_zero() {
         tokio::time::sleep(delay).await;
     }
