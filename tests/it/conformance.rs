@@ -48,6 +48,7 @@ backend_tests!(
         a_wait_for_a_slot_that_runs_out_is_409_and_releases_the_key,
         two_routes_on_one_scope_each_keep_their_own_limit,
         a_slot_is_refused_past_the_takers_limit_or_any_holders_limit,
+        every_row_of_the_decision_table_holds,
     ]
 );
 
@@ -746,4 +747,194 @@ async fn a_large_response_is_stored_whole(b: Backend) {
         (info.state.as_str(), info.status, info.body_bytes),
         ("completed", Some(201), Some(100_000))
     );
+}
+
+/// The decision table (`decisions.rs`, which the protocol model also takes its decisions
+/// from), row by row on this store: each [`Before`] state made through the store's own API,
+/// each [`Op`] sent, the answer and the row left compared with the table.
+async fn every_row_of_the_decision_table_holds(b: Backend) {
+    use crate::decisions::{After, Before, Decision, Op, Token, cases, decide};
+    use idemgate::store::{LeaseToken, Store};
+
+    const LIVE: Duration = Duration::from_secs(60);
+    const NEVER_ISSUED: &str = "00000000-0000-4000-8000-000000000000";
+    let up = Upstream::start().await;
+    let (gw, _db) = TestGateway::on(b, &up, "").await;
+    let store = gw.store.as_ref();
+    let req =
+        |key: &'static str, fp: &'static [u8; 32], lease: Duration, ttl: Duration, holds: bool| {
+            ClaimRequest {
+                scope: "table",
+                key,
+                route: "payments",
+                fingerprint: fp,
+                lease,
+                ttl,
+                hold_expired_leases: holds,
+            }
+        };
+    // A claim that only looks: with `hold`, an expired lease is reported, never taken.
+    async fn wait_lease_ended(store: &dyn Store, key: &'static str, fp: &'static [u8; 32]) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let look = ClaimRequest {
+                scope: "table",
+                key,
+                route: "payments",
+                fingerprint: fp,
+                lease: Duration::from_secs(60),
+                ttl: Duration::from_secs(60),
+                hold_expired_leases: true,
+            };
+            match store.claim(look).await.unwrap() {
+                Claim::Held => return,
+                Claim::InFlight { .. } => {}
+                other => panic!("{key}: a look at an in-flight key found {other:?}"),
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{key}: the 1 ms lease had not ended after 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    static FP: [u8; 32] = [7u8; 32];
+    static OTHER: [u8; 32] = [8u8; 32];
+    let mut checked = 0;
+    for (n, (before, op)) in cases().enumerate() {
+        let key: &'static str = Box::leak(format!("k{n}").into_boxed_str());
+        let acquire = |claim: Claim| match claim {
+            Claim::Acquired { token, .. } => token,
+            other => panic!("{key}: setting up {before:?}, a claim found {other:?}"),
+        };
+        // The row in its `before` state, the token of its latest claim and of the one
+        // before (taken over).
+        let (current, stale) = match before {
+            Before::Absent => (None, None),
+            Before::InFlight => (
+                Some(acquire(
+                    store.claim(req(key, &FP, LIVE, LIVE, false)).await.unwrap(),
+                )),
+                None,
+            ),
+            Before::InFlightTtlPassed => {
+                let ms = Duration::from_millis(1);
+                let token = acquire(store.claim(req(key, &FP, ms, ms, false)).await.unwrap());
+                // Its lease and ttl were 1 ms of the database's clock, which is this host's.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                (Some(token), None)
+            }
+            Before::InFlightExpired | Before::TakenOver => {
+                let first = acquire(
+                    store
+                        .claim(req(key, &FP, Duration::from_millis(1), LIVE, false))
+                        .await
+                        .unwrap(),
+                );
+                wait_lease_ended(store, key, &FP).await;
+                if before == Before::TakenOver {
+                    let second = store.claim(req(key, &FP, LIVE, LIVE, false)).await.unwrap();
+                    assert!(
+                        matches!(
+                            second,
+                            Claim::Acquired {
+                                took_over: true,
+                                ..
+                            }
+                        ),
+                        "{key}: taking over found {second:?}"
+                    );
+                    (Some(acquire(second)), Some(first))
+                } else {
+                    (Some(first), None)
+                }
+            }
+            Before::Completed | Before::Expired | Before::Unknown | Before::NotReplayable => {
+                let token = acquire(store.claim(req(key, &FP, LIVE, LIVE, false)).await.unwrap());
+                let (outcome, ttl) = match before {
+                    Before::Completed => (Outcome::Completed(stored("table")), LIVE),
+                    Before::Expired => (
+                        Outcome::Completed(stored("table")),
+                        Duration::from_millis(1),
+                    ),
+                    Before::Unknown => (Outcome::Unknown, LIVE),
+                    _ => (Outcome::NotReplayable { status: 200 }, LIVE),
+                };
+                assert!(
+                    store
+                        .finish("table", key, &token, outcome, ttl)
+                        .await
+                        .unwrap()
+                );
+                if before == Before::Expired {
+                    // The row's ttl was 1 ms of the database's clock, which is this host's.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                (Some(token), None)
+            }
+        };
+        let seen_before = store.inspect("table", key).await.unwrap();
+        let token = |t: Token| match t {
+            Token::Current => current.clone().unwrap_or(LeaseToken(NEVER_ISSUED.into())),
+            Token::Stale => stale.clone().unwrap_or(LeaseToken(NEVER_ISSUED.into())),
+        };
+        let decision = match op {
+            Op::Claim {
+                same_request,
+                holds,
+            } => {
+                let fp = if same_request { &FP } else { &OTHER };
+                match store.claim(req(key, fp, LIVE, LIVE, holds)).await.unwrap() {
+                    Claim::Acquired { took_over, .. } => Decision::Acquired { took_over },
+                    Claim::InFlight { .. } => Decision::InFlight,
+                    Claim::Completed(..) => Decision::Replay,
+                    Claim::Mismatch => Decision::Mismatch,
+                    Claim::Held => Decision::Held,
+                    Claim::NotReplayable { .. } => Decision::NotReplayable,
+                }
+            }
+            Op::Complete(t) | Op::Hold(t) | Op::Release(t) => {
+                let outcome = match op {
+                    Op::Complete(_) => Outcome::Completed(stored("end")),
+                    Op::Hold(_) => Outcome::Unknown,
+                    _ => Outcome::Release,
+                };
+                match store
+                    .finish("table", key, &token(t), outcome, LIVE)
+                    .await
+                    .unwrap()
+                {
+                    true => Decision::Wrote,
+                    false => Decision::Fenced,
+                }
+            }
+            Op::Delete { force } => match store.delete("table", key, force).await.unwrap() {
+                Deleted::Yes { live_lease, .. } => Decision::Deleted { live_lease },
+                Deleted::NotFound => Decision::NotFound,
+                Deleted::InFlight => Decision::Refused,
+            },
+        };
+        let (want, after) = decide(before, op);
+        assert_eq!(decision, want, "{key}: {op:?} on a row {before:?}");
+        let seen_after = store.inspect("table", key).await.unwrap();
+        let state = seen_after.as_ref().map(|r| r.state.as_str());
+        match after {
+            After::Same => assert_eq!(
+                seen_after, seen_before,
+                "{key}: {op:?} on {before:?} changed the row"
+            ),
+            After::Absent => assert_eq!(seen_after, None, "{key}: {op:?} on {before:?}"),
+            After::Claimed => {
+                assert_eq!(state, Some("in_flight"), "{key}: {op:?} on {before:?}");
+                assert_ne!(
+                    seen_after, seen_before,
+                    "{key}: a new claim, a new row version"
+                );
+            }
+            After::Completed => assert_eq!(state, Some("completed"), "{key}: {op:?} on {before:?}"),
+            After::Unknown => assert_eq!(state, Some("unknown"), "{key}: {op:?} on {before:?}"),
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 108, "every row of the table was driven");
 }

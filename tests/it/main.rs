@@ -7,6 +7,7 @@ mod cli;
 mod config_files;
 mod conformance;
 mod crash_and_shutdown;
+mod decisions;
 mod deploy;
 mod dockerfile;
 mod docs;

@@ -2,7 +2,18 @@
 //! bounds (tests only, with stateright): clients retrying one (scope, key), several gateway
 //! instances, the key's row with its lease and token, an upstream that executes, and the
 //! faults. It is the `Store` (src/store/mod.rs) contract seen from above: what the statements
-//! of `postgres.rs` and the steps of `src/gateway/` do to one key, one step at a time.
+//! of `src/store/postgres/` and the steps of `src/gateway/` do to one key, one step at a time.
+//!
+//! What each statement decides from the row it finds (the claim, the fenced ends, the
+//! delete) is not re-typed here: it comes from the decision table of `decisions.rs`, which
+//! the conformance suite drives every store through, row by row
+//! (`conformance::*::every_row_of_the_decision_table_holds`). The claim is one step of the
+//! model whether the store sends it as one statement or as the look (`LOOK_SQL`) and then
+//! `CLAIM_SQL`, alone or in a batch of new keys: the look writes nothing and a claimable row
+//! goes on to the statement that decides under the row's lock. What the model does not
+//! cover: batches of several keys (one key's error failing only that key is tested on the
+//! stores: `batches.rs`), `serialize` slots, and liveness beyond the table's row that an
+//! expired lease is claimable again.
 //!
 //! # The state
 //!
@@ -104,6 +115,8 @@
 
 use stateright::{Model, Property};
 
+use crate::decisions::{self as table, After, Before, Decision, Op};
+
 /// A lease token. Only equality between tokens means anything, so tokens are renumbered in
 /// every state (see [`State::canonical`]); a claim draws one no one holds, as
 /// `gen_random_uuid()` does.
@@ -142,6 +155,15 @@ enum Bug {
     /// The client gets the upstream's answer before the completion is written (every 2xx of
     /// a life names the same execution).
     AnswerBeforeCommit,
+    /// RELEASE_SQL without `lease_token = $3`: a stale attempt deletes its successor's row
+    /// (never two forwards under live leases).
+    UnfencedRelease,
+    /// Under `hold`, an expired lease is taken over like under `reforward` (a held route
+    /// never executes twice).
+    HoldTakesOver,
+    /// DELETE_SQL deletes a row in flight under a live lease without `force`, uncounted
+    /// (never two forwards under live leases, but for a counted forced delete).
+    DeleteIgnoresLease,
     /// The completion marks the row completed in one write and stores the response in a
     /// second one (a completed row holds its response).
     CompleteInTwoWrites,
@@ -542,19 +564,64 @@ struct Protocol {
 }
 
 impl Protocol {
-    fn found(&self, s: &State) -> Found {
-        let Some(r) = &s.row else {
-            return Found::Claimable { takeover: false };
-        };
-        if r.expired {
-            return Found::Claimable { takeover: false };
+    /// The row as the decision table (`decisions.rs`) names it.
+    fn before(s: &State) -> Before {
+        match &s.row {
+            None => Before::Absent,
+            Some(r) => match r.state {
+                RowState::InFlight if r.expired => Before::InFlightTtlPassed,
+                RowState::InFlight if s.lease_live(r.token) => Before::InFlight,
+                RowState::InFlight => Before::InFlightExpired,
+                _ if r.expired => Before::Expired,
+                RowState::Completed => Before::Completed,
+                RowState::Unknown => Before::Unknown,
+            },
         }
-        match r.state {
-            RowState::InFlight if s.lease_live(r.token) => Found::InFlight,
-            RowState::InFlight if s.mode == Mode::Hold => Found::Held,
-            RowState::InFlight => Found::Claimable { takeover: true },
-            RowState::Completed => Found::Completed(r.response),
-            RowState::Unknown => Found::Held,
+    }
+
+    /// The decision table's answer, or a broken variant's.
+    fn decide(&self, before: Before, op: Op) -> (Decision, After) {
+        let in_flight = matches!(
+            before,
+            Before::InFlight | Before::InFlightExpired | Before::InFlightTtlPassed
+        );
+        match (self.bug, op) {
+            (Some(Bug::UnfencedRelease), Op::Release(_)) if in_flight => {
+                (Decision::Wrote, After::Absent)
+            }
+            (
+                Some(Bug::HoldTakesOver),
+                Op::Claim {
+                    same_request: true,
+                    holds: true,
+                },
+            ) if before == Before::InFlightExpired => {
+                (Decision::Acquired { took_over: true }, After::Claimed)
+            }
+            (Some(Bug::DeleteIgnoresLease), Op::Delete { force: false })
+                if before == Before::InFlight =>
+            {
+                (Decision::Deleted { live_lease: false }, After::Absent)
+            }
+            _ => table::decide(before, op),
+        }
+    }
+
+    /// What CLAIM_SQL finds, as the decision table decides it (every request of the model
+    /// has the same fingerprint).
+    fn found(&self, s: &State) -> Found {
+        let claim = Op::Claim {
+            same_request: true,
+            holds: s.mode == Mode::Hold,
+        };
+        match self.decide(Self::before(s), claim).0 {
+            Decision::Acquired { took_over } => Found::Claimable {
+                takeover: took_over,
+            },
+            Decision::Replay => Found::Completed(s.row.as_ref().and_then(|r| r.response)),
+            Decision::InFlight => Found::InFlight,
+            Decision::Held => Found::Held,
+            other => unreachable!("one fingerprint, no oversized answer: {other:?}"),
         }
     }
 
@@ -596,19 +663,34 @@ impl Protocol {
         n.gateways[gateway] = Phase::Forwarding { token, life };
     }
 
-    /// Whether a write fenced by `token` finds its row (`... AND lease_token = $3 AND state
-    /// = 'in_flight'`); unfenced, any in-flight row.
-    fn fence_holds(s: &State, token: Token, fenced: bool) -> bool {
-        match &s.row {
-            Some(r) => r.state == RowState::InFlight && (r.token == token || !fenced),
-            None => false,
+    /// Whether the end `end` of the attempt holding `token` writes, as the decision table
+    /// decides it (a token that is not the row's latest is stale); unfenced, any in-flight
+    /// row.
+    fn fence_holds(
+        &self,
+        s: &State,
+        token: Token,
+        fenced: bool,
+        end: fn(table::Token) -> Op,
+    ) -> bool {
+        let Some(r) = &s.row else {
+            return false;
+        };
+        if !fenced {
+            return r.state == RowState::InFlight;
         }
+        let whose = if r.token == token {
+            table::Token::Current
+        } else {
+            table::Token::Stale
+        };
+        self.decide(Self::before(s), end(whose)).0 == Decision::Wrote
     }
 
     /// FINISH_SQL with a completed response, if the fence holds; whether it wrote.
     fn complete(&self, n: &mut State, token: Token, exec: Exec) -> bool {
         let fenced = self.bug != Some(Bug::UnfencedFinish);
-        if !Self::fence_holds(n, token, fenced) {
+        if !self.fence_holds(n, token, fenced, Op::Complete) {
             return false;
         }
         let r = n.row.as_mut().expect("the fence found the row");
@@ -824,7 +906,7 @@ impl Model for Protocol {
                         ..
                     } => {
                         if self.bug == Some(Bug::CompleteInTwoWrites)
-                            && Self::fence_holds(s, token, true)
+                            && self.fence_holds(s, token, true, Op::Complete)
                         {
                             let r = n.row.as_mut().expect("the fence found the row");
                             r.state = RowState::Completed;
@@ -854,7 +936,11 @@ impl Model for Protocol {
                         n.answer(life, exec, false);
                     }
                     Phase::Unknown { token, .. } => {
-                        if Self::fence_holds(s, token, true) {
+                        let end = match s.mode {
+                            Mode::Reforward => Op::Release,
+                            Mode::Hold => Op::Hold,
+                        };
+                        if self.fence_holds(s, token, true, end) {
                             match s.mode {
                                 // RELEASE_SQL: the row is deleted; a retry forwards again.
                                 Mode::Reforward => n.row = None,
@@ -924,20 +1010,21 @@ impl Model for Protocol {
             Action::Delete { force } => {
                 n.deletes -= 1;
                 let r = s.row.as_ref().expect("a row to delete");
-                let live = r.state == RowState::InFlight && s.lease_live(r.token);
-                if live && !force {
+                match self.decide(Self::before(s), Op::Delete { force }).0 {
                     // `Deleted::InFlight`: 409 `key-in-flight`, nothing changes.
-                    n.seen |= seen::DELETE_REFUSED;
-                } else {
-                    if live {
-                        // Counted `force_deleted`: a possible double.
-                        n.force_deleted |= bit(r.token);
-                        n.seen |= seen::FORCED_DELETE;
+                    Decision::Refused => n.seen |= seen::DELETE_REFUSED,
+                    Decision::Deleted { live_lease } => {
+                        if live_lease {
+                            // Counted `force_deleted`: a possible double.
+                            n.force_deleted |= bit(r.token);
+                            n.seen |= seen::FORCED_DELETE;
+                        }
+                        if !r.expired {
+                            self.forget(&mut n);
+                        }
+                        n.row = None;
                     }
-                    if !r.expired {
-                        self.forget(&mut n);
-                    }
-                    n.row = None;
+                    other => unreachable!("a delete of a row that exists: {other:?}"),
                 }
             }
         }
@@ -1173,6 +1260,21 @@ mod tests {
     fn a_completion_without_the_fence_overwrites_the_successors_row() {
         let found = counterexample(broken(Bug::UnfencedFinish), FENCED_WRITE_CHANGES_NOTHING);
         assert!(found.is_some());
+    }
+
+    #[test]
+    fn a_release_without_the_fence_lets_two_forwards_run_under_live_leases() {
+        assert!(counterexample(broken(Bug::UnfencedRelease), ONE_LIVE_FORWARD).is_some());
+    }
+
+    #[test]
+    fn a_held_route_that_takes_expired_leases_over_executes_twice() {
+        assert!(counterexample(broken(Bug::HoldTakesOver), DOUBLES_COUNTED).is_some());
+    }
+
+    #[test]
+    fn a_delete_that_ignores_a_live_lease_lets_two_forwards_run_uncounted() {
+        assert!(counterexample(broken(Bug::DeleteIgnoresLease), ONE_LIVE_FORWARD).is_some());
     }
 
     #[test]
