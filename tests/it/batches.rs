@@ -28,6 +28,8 @@ backend_tests!(
         a_batch_gathers_only_while_every_connection_is_busy,
         a_locked_row_fails_no_other_claim_of_its_batch,
         a_locked_row_fails_no_other_completion_of_its_batch,
+        a_statement_error_on_one_key_fails_no_other_claim_of_its_batch,
+        a_statement_timeout_on_one_key_fails_no_other_claim_of_its_batch,
     ]
 );
 
@@ -582,4 +584,82 @@ async fn a_batched_completion_is_fenced_by_each_keys_own_lease(b: Backend) {
             assert_eq!(body.as_deref(), Some(format!("answer of f{i}").as_str()));
         }
     }
+}
+
+/// A trigger that makes the insert of one key fail (`error`: an exception) or run past the
+/// statement timeout (`slow`: a sleep), whatever statement carries it: a fault in one key of
+/// a batch.
+async fn poison(gw: &TestGateway, key: &str, how: &str) {
+    let fault = match how {
+        "error" => "RAISE EXCEPTION 'a fault injected into key %', NEW.key;",
+        _ => "PERFORM pg_sleep(30);",
+    };
+    gw.sql()
+        .await
+        .batch_execute(&format!(
+            "CREATE FUNCTION idemgate_test_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN IF NEW.key = '{key}' THEN {fault} END IF; RETURN NEW; END $$;
+             CREATE TRIGGER idemgate_test_poison BEFORE INSERT ON idemgate_keys
+             FOR EACH ROW EXECUTE FUNCTION idemgate_test_poison();"
+        ))
+        .await
+        .expect("installing the fault");
+}
+
+/// New keys gathered in one batch with a key whose insert fails (`how`): the batch's
+/// statement fails, every key runs its own statement, and only the faulty key fails
+/// (503, nothing forwarded); every other key is claimed and forwarded once.
+async fn one_faulty_key_fails_alone(b: Backend, how: &str) {
+    let up = Upstream::start().await;
+    let (gw, _file) = two_connections(b, &up).await;
+    poison(&gw, "bad", how).await;
+    let db = gw.sql().await;
+    let lock = lock_writes(&gw).await;
+    // Two claims take the two connections and wait for the table...
+    let first = send_keys(&gw, &["a1", "a2"]);
+    wait_until(
+        "two claims wait for the table",
+        Duration::from_secs(10),
+        || async { lock_waiters(&db).await == 2 },
+    )
+    .await;
+    // ...and the faulty key gathers with six new keys behind them.
+    let gathered = send_keys(&gw, &["b0", "b1", "b2", "bad", "b3", "b4", "b5"]);
+    wait_bodies_held(&gw, 9 * "{\"amount\":1}".len()).await;
+    let (statements, _) = batches(&gw, "claim_new").await;
+    lock.batch_execute("COMMIT").await.unwrap();
+    let first = first.await.unwrap();
+    let gathered = gathered.await.unwrap();
+    assert!(first.iter().all(|r| r.status == 201), "{first:?}");
+    for (i, r) in gathered.iter().enumerate() {
+        if i == 3 {
+            assert_eq!(
+                (r.status, r.problem().as_str()),
+                (503, "store-unavailable"),
+                "the faulty key fails for its own reason: {r:?}"
+            );
+        } else {
+            assert_eq!(
+                r.status, 201,
+                "an unrelated key failed with the faulty one: {r:?}"
+            );
+        }
+    }
+    assert_eq!(up.executions(), 2 + 6, "the faulty key was never forwarded");
+    // The seven were carried by one statement first (then each alone).
+    let (after, keys) = batches(&gw, "claim_new").await;
+    assert!(after > statements, "a batch statement ran");
+    assert!(
+        keys >= 7.0,
+        "the seven gathered keys went into a batch: {keys}"
+    );
+    assert_eq!(rows_in(&gw, "completed").await, 8);
+}
+
+async fn a_statement_error_on_one_key_fails_no_other_claim_of_its_batch(b: Backend) {
+    one_faulty_key_fails_alone(b, "error").await;
+}
+
+async fn a_statement_timeout_on_one_key_fails_no_other_claim_of_its_batch(b: Backend) {
+    one_faulty_key_fails_alone(b, "slow").await;
 }
