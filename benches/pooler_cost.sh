@@ -4,7 +4,7 @@
 #   benches/pooler_cost.sh
 #
 # pgbench drives the current revision's claim of a new key (CLAIM_NEW_SQL) and its completion
-# (FINISH_SQL), taken from src/store/postgres.rs, on the table its migrations build, two
+# (FINISH_SQL), taken from src/store/postgres/statements.rs, on the table its migrations build, two
 # autocommit statements per key like the gateway, in six ways:
 #
 #   prepared           -M prepared, straight to PostgreSQL: the gateway with `pooler: none`
@@ -57,11 +57,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/cluster.sh"
 start_cluster
 start_pgbouncer "$CLIENTS"
 
-# The text of `const NAME: &str = "...";` in src/store/postgres.rs.
+# The text of `const NAME: &str = "...";` in src/store/postgres/statements.rs.
 sql_const() { # name
   awk -v name="$1" '
     !done && index($0, "const " name ": &str = \"") { on = 1; sub(/.*= "/, ""); }
-    on { if (sub(/";$/, "")) { on = 0; done = 1 } print }' "$ROOT/src/store/postgres.rs"
+    on { if (sub(/";$/, "")) { on = 0; done = 1 } print }' "$ROOT/src/store/postgres/statements.rs"
 }
 
 # The claim ($N -> :cN) and the completion ($N -> :fN), each wrapped in $1 and $2.
