@@ -71,9 +71,7 @@ fn every_test_named_in_the_guarantees_exists() {
 /// The top-level modules of `src/` each file belongs to, and the top-level modules it names
 /// as `crate::<module>` outside comments and its unit tests (a `mod tests` at the end of a
 /// file, or a file of its own named `tests.rs`).
-fn module_imports(
-    root: &Path,
-) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+fn module_imports(root: &Path) -> Graph {
     fn walk(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             let path = entry.path();
@@ -89,7 +87,7 @@ fn module_imports(
     let src = root.join("src");
     let mut files = Vec::new();
     walk(&src, &mut files);
-    let mut graph = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    let mut graph = Graph::new();
     for file in files {
         let rel = file.strip_prefix(&src).unwrap();
         let top = rel
@@ -127,6 +125,42 @@ fn module_imports(
     graph
 }
 
+/// An import graph: each module (or file) and the ones it imports.
+type Graph = std::collections::BTreeMap<String, std::collections::BTreeSet<String>>;
+
+/// The cycles of `graph`, each as `a -> b -> a`: a depth-first search from every node, where
+/// a node met again on the current path closes a cycle.
+fn cycles(graph: &Graph) -> Vec<String> {
+    fn visit<'a>(
+        graph: &'a Graph,
+        node: &'a str,
+        path: &mut Vec<&'a str>,
+        done: &mut std::collections::BTreeSet<&'a str>,
+        found: &mut Vec<String>,
+    ) {
+        if let Some(at) = path.iter().position(|m| *m == node) {
+            found.push(format!("{} -> {node}", path[at..].join(" -> ")));
+            return;
+        }
+        if !done.insert(node) {
+            return;
+        }
+        path.push(node);
+        for dep in graph.get(node).into_iter().flatten() {
+            if graph.contains_key(dep.as_str()) {
+                visit(graph, dep, path, done, found);
+            }
+        }
+        path.pop();
+    }
+    let mut found = Vec::new();
+    let mut done = std::collections::BTreeSet::new();
+    for node in graph.keys() {
+        visit(graph, node, &mut Vec::new(), &mut done, &mut found);
+    }
+    found
+}
+
 /// A newcomer can read the modules bottom-up: no module of `src/` imports, directly or
 /// through others, a module that imports it.
 #[test]
@@ -138,35 +172,7 @@ fn no_import_cycle_among_the_modules_of_src() {
         "imports are read: {:?}",
         graph["gateway"]
     );
-    // Depth-first search from every module; a module met again on the current path closes
-    // a cycle.
-    fn visit<'a>(
-        graph: &'a std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-        module: &'a str,
-        path: &mut Vec<&'a str>,
-        done: &mut std::collections::BTreeSet<&'a str>,
-        cycles: &mut Vec<String>,
-    ) {
-        if let Some(at) = path.iter().position(|m| *m == module) {
-            cycles.push(format!("{} -> {module}", path[at..].join(" -> ")));
-            return;
-        }
-        if !done.insert(module) {
-            return;
-        }
-        path.push(module);
-        for dep in graph.get(module).into_iter().flatten() {
-            if graph.contains_key(dep.as_str()) {
-                visit(graph, dep, path, done, cycles);
-            }
-        }
-        path.pop();
-    }
-    let mut cycles = Vec::new();
-    let mut done = std::collections::BTreeSet::new();
-    for module in graph.keys() {
-        visit(&graph, module, &mut Vec::new(), &mut done, &mut cycles);
-    }
+    let cycles = cycles(&graph);
     assert!(cycles.is_empty(), "import cycles: {cycles:#?}");
 }
 
@@ -190,12 +196,7 @@ fn code_of(path: &Path) -> String {
 /// `<folder>.rs`, as `mod`) and which of them each one imports: a child naming
 /// `super::<sibling>` imports that sibling, any other `super::` item is the root's; the root
 /// naming `<child>::` imports that child.
-fn folder_imports(
-    root: &Path,
-) -> Vec<(
-    String,
-    std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-)> {
+fn folder_imports(root: &Path) -> Vec<(String, Graph)> {
     fn folders(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             if entry.path().is_dir() {
@@ -304,37 +305,13 @@ fn no_import_cycle_inside_a_folder_of_src() {
         "imports are read: {:?}",
         store.1
     );
-    let mut cycles = Vec::new();
+    let mut found = Vec::new();
     for (folder, graph) in &folders {
-        fn visit<'a>(
-            graph: &'a std::collections::BTreeMap<String, std::collections::BTreeSet<String>>,
-            node: &'a str,
-            path: &mut Vec<&'a str>,
-            done: &mut std::collections::BTreeSet<&'a str>,
-            found: &mut Vec<String>,
-        ) {
-            if let Some(at) = path.iter().position(|m| *m == node) {
-                found.push(format!("{} -> {node}", path[at..].join(" -> ")));
-                return;
-            }
-            if !done.insert(node) {
-                return;
-            }
-            path.push(node);
-            for dep in graph.get(node).into_iter().flatten() {
-                visit(graph, dep, path, done, found);
-            }
-            path.pop();
-        }
-        let mut found = Vec::new();
-        let mut done = std::collections::BTreeSet::new();
-        for node in graph.keys() {
-            visit(graph, node, &mut Vec::new(), &mut done, &mut found);
-        }
-        cycles.extend(found.into_iter().map(|c| format!("src/{folder}: {c}")));
+        found.extend(
+            cycles(graph)
+                .into_iter()
+                .map(|c| format!("src/{folder}: {c}")),
+        );
     }
-    assert!(
-        cycles.is_empty(),
-        "import cycles inside folders: {cycles:#?}"
-    );
+    assert!(found.is_empty(), "import cycles inside folders: {found:#?}");
 }
