@@ -45,10 +45,14 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 mod format;
+mod process;
+mod route;
 mod sharded;
 
 pub use format::Format;
 use format::openmetrics_to_text;
+use route::{ALERTED, ALERTED_KEYED};
+pub use route::{Counted, RouteHandles};
 pub use sharded::{ShardedCounter, ShardedHistogram};
 
 /// The outcome names of `idemgate_requests_total`.
@@ -117,6 +121,24 @@ pub struct RouteOutcome {
     pub outcome: &'static str,
 }
 
+/// The labels of `idemgate_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteOutcomeClass {
+    pub route: String,
+    pub outcome: &'static str,
+    pub status_class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct VersionLabel {
+    pub version: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabel {
+    pub result: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RouteEvent {
     pub route: String,
@@ -162,6 +184,37 @@ fn route_latency_buckets() -> ShardedHistogram {
     ShardedHistogram::new(latency_bounds())
 }
 
+/// Request and upstream duration bucket bounds for a proxy: 1 ms to 30 s.
+const DURATION_BOUNDS: [f64; 15] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+];
+
+fn duration_buckets() -> ShardedHistogram {
+    ShardedHistogram::new(DURATION_BOUNDS)
+}
+
+/// The status classes of `idemgate_requests_total`, by a status's hundreds digit less one.
+pub const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
+
+/// The index in [`STATUS_CLASSES`] of `status` (a status outside 100-599 counts as 5xx).
+pub fn status_class(status: u16) -> usize {
+    match status {
+        100..=599 => usize::from(status / 100 - 1),
+        _ => 4,
+    }
+}
+
+/// The lease events of `idemgate_leases_total`, every one created at 0 for every keyed
+/// route (docs/operations.md, "Alerts worth setting").
+pub const LEASE_EVENTS: [&str; 3] = ["taken_over", "lost", "force_deleted"];
+
+/// The results of `idemgate_reloads_total`.
+pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
+
+/// The results of `idemgate_gc_runs_total`: `ok` (this instance collected), `skipped`
+/// (another instance held the collection lock), `error`.
+pub const GC_RESULTS: [&str; 3] = ["ok", "skipped", "error"];
+
 fn batch_buckets() -> Histogram {
     // 1 to 256 keys per statement.
     Histogram::new(exponential_buckets(1.0, 2.0, 9))
@@ -175,6 +228,8 @@ pub struct StoreMetrics {
     pub pool_wait: Histogram,
     pub pool: Family<StateLabel, Gauge>,
     pub batch: Family<OpLabel, Histogram>,
+    /// Operations that failed, by operation (the same `op` names as `latency`).
+    pub errors: Family<OpLabel, Counter>,
     /// Streaming standbys of the database that are not synchronous (found at start).
     pub async_standbys: Gauge,
 }
@@ -186,6 +241,7 @@ impl Default for StoreMetrics {
             pool_wait: latency_buckets(),
             pool: Family::default(),
             batch: Family::new_with_constructor(batch_buckets),
+            errors: Family::default(),
             async_standbys: Gauge::default(),
         }
     }
@@ -204,14 +260,26 @@ impl StoreMetrics {
             .get_or_create(&OpLabel { op })
             .observe(took.as_secs_f64());
     }
+
+    /// Records one operation: its latency, and an error if it failed.
+    pub fn record<T, E>(&self, op: &'static str, took: Duration, result: &Result<T, E>) {
+        self.observe(op, took);
+        if result.is_err() {
+            self.errors.get_or_create(&OpLabel { op }).inc();
+        }
+    }
 }
 
 /// Every metric of a gateway process.
 pub struct Metrics {
     registry: Mutex<Registry>,
-    pub requests: Family<RouteOutcome, ShardedCounter>,
+    /// The `process_*` series (no `idemgate_` prefix), read from `/proc/self` when scraped.
+    process: Registry,
+    pub requests: Family<RouteOutcomeClass, ShardedCounter>,
+    pub request_duration: Family<RouteOutcome, ShardedHistogram>,
     pub leases: Family<RouteEvent, Counter>,
     pub upstream_latency: Family<RouteLabel, ShardedHistogram>,
+    pub upstream_duration: Family<UpstreamLabel, ShardedHistogram>,
     pub forwards_in_flight: Gauge,
     pub replay_cache_bytes: Gauge,
     pub wakeups_healthy: Gauge,
@@ -219,53 +287,16 @@ pub struct Metrics {
     pub buffered_bytes: Gauge,
     pub overloaded: Family<UpstreamBound, Counter>,
     pub observed: Family<RouteOutcome, Counter>,
+    /// Client connections open now (`server.rs` counts them).
+    pub client_connections: Gauge,
+    pub reloads: Family<ResultLabel, Counter>,
+    pub gc_runs: Family<ResultLabel, Counter>,
+    pub gc_rows: Counter,
     /// Handles resolved once per route, so a request costs no label allocation or hashing
     /// of an owned label set (the families above stay the source of truth).
     per_route: std::sync::RwLock<std::collections::HashMap<String, Arc<RouteHandles>>>,
-}
-
-/// One route's request counters (by outcome, filled on first use) and latency histogram,
-/// resolved once per route: `Routing` holds one per configured route, so a request counts
-/// without looking its route up by name, and without a lock.
-pub struct RouteHandles {
-    /// The route's name (the label of its series, and the access line's `route`).
-    pub name: Arc<str>,
-    /// One slot per outcome this route has had, filled in the order they first came.
-    outcomes: [OnceLock<(&'static str, ShardedCounter)>; OUTCOME_SLOTS],
-    upstream: ShardedHistogram,
-    /// `Metrics::requests`, for an outcome this route has not had yet.
-    requests: Family<RouteOutcome, ShardedCounter>,
-}
-
-/// More than there are outcome names (`outcome`); past them a count takes the family's lock.
-const OUTCOME_SLOTS: usize = 32;
-
-impl RouteHandles {
-    /// Counts a request of this route that ended with `outcome`.
-    pub fn request(&self, outcome: &'static str) {
-        let counter = || {
-            self.requests
-                .get_or_create(&RouteOutcome {
-                    route: self.name.to_string(),
-                    outcome,
-                })
-                .clone()
-        };
-        for slot in &self.outcomes {
-            // A free slot is filled once; two threads filling it at once get the same value.
-            let (name, c) = slot.get_or_init(|| (outcome, counter()));
-            if *name == outcome {
-                c.inc();
-                return;
-            }
-        }
-        counter().inc();
-    }
-
-    /// Observes how long this route's upstream took to answer.
-    pub fn upstream(&self, took: Duration) {
-        self.upstream.observe(took.as_secs_f64());
-    }
+    /// The handles of `route=""`: a request that matched no route.
+    unrouted: Arc<RouteHandles>,
 }
 
 impl Metrics {
@@ -282,10 +313,14 @@ impl Metrics {
 
     pub fn new(store: &StoreMetrics) -> Metrics {
         let mut registry = Registry::with_prefix("idemgate");
-        let requests = Family::<RouteOutcome, ShardedCounter>::default();
+        let requests = Family::<RouteOutcomeClass, ShardedCounter>::default();
+        let request_duration =
+            Family::<RouteOutcome, ShardedHistogram>::new_with_constructor(duration_buckets);
         let leases = Family::<RouteEvent, Counter>::default();
         let upstream_latency =
             Family::<RouteLabel, ShardedHistogram>::new_with_constructor(route_latency_buckets);
+        let upstream_duration =
+            Family::<UpstreamLabel, ShardedHistogram>::new_with_constructor(duration_buckets);
         let forwards_in_flight = Gauge::default();
         let replay_cache_bytes = Gauge::default();
         let wakeups_healthy = Gauge::default();
@@ -293,6 +328,27 @@ impl Metrics {
         let buffered_bytes = Gauge::default();
         let overloaded = Family::<UpstreamBound, Counter>::default();
         let observed = Family::<RouteOutcome, Counter>::default();
+        let client_connections = Gauge::default();
+        let reloads = Family::<ResultLabel, Counter>::default();
+        let gc_runs = Family::<ResultLabel, Counter>::default();
+        let gc_rows = Counter::default();
+        let build_info = Family::<VersionLabel, Gauge>::default();
+        build_info
+            .get_or_create(&VersionLabel {
+                version: env!("CARGO_PKG_VERSION"),
+            })
+            .set(1);
+        for result in RELOAD_RESULTS {
+            let _created = reloads.get_or_create(&ResultLabel { result });
+        }
+        for result in GC_RESULTS {
+            let _created = gc_runs.get_or_create(&ResultLabel { result });
+        }
+        registry.register(
+            "build_info",
+            "Always 1; the version label is the running binary's",
+            build_info,
+        );
         registry.register(
             "observed",
             "Requests an observe route forwarded, by what enforcing would have done: would_replay, would_wait, would_mismatch",
@@ -315,12 +371,17 @@ impl Metrics {
         );
         registry.register(
             "requests",
-            "Requests by route and outcome",
+            "Requests by route, outcome and the status class of the answer",
             requests.clone(),
         );
         registry.register(
+            "request_duration_seconds",
+            "Time from a request's arrival to the end of its response, by route and outcome",
+            request_duration.clone(),
+        );
+        registry.register(
             "leases",
-            "Lease events by route: taken_over (possible double), lost (not recorded)",
+            "Lease events by route: taken_over and force_deleted (possible doubles), lost (not recorded)",
             leases.clone(),
         );
         registry.register(
@@ -329,9 +390,19 @@ impl Metrics {
             upstream_latency.clone(),
         );
         registry.register(
+            "upstream_duration_seconds",
+            "Upstream latency by upstream",
+            upstream_duration.clone(),
+        );
+        registry.register(
             "store_latency_seconds",
             "Store operation latency by operation",
             store.latency.clone(),
+        );
+        registry.register(
+            "store_errors",
+            "Store operations that failed, by operation",
+            store.errors.clone(),
         );
         registry.register(
             "store_pool_wait_seconds",
@@ -368,11 +439,36 @@ impl Metrics {
             "1 while wake-ups for in-flight keys flow (LISTEN/NOTIFY or in process)",
             wakeups_healthy.clone(),
         );
-        Metrics {
+        registry.register(
+            "client_connections",
+            "Client connections open now",
+            client_connections.clone(),
+        );
+        registry.register(
+            "reloads",
+            "Configuration reloads (SIGHUP) by result: ok or error",
+            reloads.clone(),
+        );
+        registry.register(
+            "gc_runs",
+            "Garbage collections of expired keys by result: ok, skipped (another instance held the lock), error",
+            gc_runs.clone(),
+        );
+        registry.register(
+            "gc_rows",
+            "Expired rows deleted by garbage collection",
+            gc_rows.clone(),
+        );
+        let mut process = Registry::default();
+        process.register_collector(Box::new(process::ProcessCollector));
+        let mut m = Metrics {
             registry: Mutex::new(registry),
+            process,
             requests,
+            request_duration,
             leases,
             upstream_latency,
+            upstream_duration,
             forwards_in_flight,
             replay_cache_bytes,
             wakeups_healthy,
@@ -380,8 +476,26 @@ impl Metrics {
             buffered_bytes,
             overloaded,
             observed,
+            client_connections,
+            reloads,
+            gc_runs,
+            gc_rows,
             per_route: Default::default(),
-        }
+            unrouted: Arc::new(RouteHandles {
+                name: Arc::from(""),
+                outcomes: std::array::from_fn(|_| OnceLock::new()),
+                upstream: ShardedHistogram::new([]),
+                requests: Family::default(),
+                durations: Family::new_with_constructor(duration_buckets),
+            }),
+        };
+        m.unrouted = m.route("");
+        m
+    }
+
+    /// The handles of `route=""`: requests that matched no route.
+    pub fn unrouted(&self) -> &Arc<RouteHandles> {
+        &self.unrouted
     }
 
     /// Counts what enforcing would have done with a request an observe route forwarded.
@@ -392,6 +506,51 @@ impl Metrics {
                 outcome,
             })
             .inc();
+    }
+
+    /// Creates at 0 every series an alert or the dashboard reads (deploy/prometheus,
+    /// deploy/grafana) of `config`'s routes: a rate or `increase()` over a series' first
+    /// events then counts them (a series born at 1 would read 0). Called with the first
+    /// configuration and on every reload (a series once created stays):
+    /// - `idemgate_leases_total{route, event}` for every keyed route and each of
+    ///   [`LEASE_EVENTS`];
+    /// - `idemgate_requests_total{route, outcome, status_class}` of the outcomes the alerts
+    ///   read ([`ALERTED`], and [`ALERTED_KEYED`] on keyed routes);
+    /// - `idemgate_observed_total{route, outcome}` of every observe route.
+    pub fn configure(&self, config: &crate::config::Config) {
+        self.init_observed(config);
+        for route in &config.routes {
+            let handles = self.route(&route.name);
+            for (outcome, class) in ALERTED {
+                handles.create(outcome, class);
+            }
+            if route.idempotency.is_none() {
+                continue;
+            }
+            for (outcome, class) in ALERTED_KEYED {
+                handles.create(outcome, class);
+            }
+            for event in LEASE_EVENTS {
+                let _created = self.leases.get_or_create(&RouteEvent {
+                    route: route.name.clone(),
+                    event,
+                });
+            }
+        }
+        for name in config.upstreams.keys() {
+            let _created = self.upstream_duration.get_or_create(&UpstreamLabel {
+                upstream: name.clone(),
+            });
+        }
+    }
+
+    /// The histogram of `idemgate_upstream_duration_seconds{upstream}`.
+    pub fn upstream_duration(&self, upstream: &str) -> ShardedHistogram {
+        self.upstream_duration
+            .get_or_create(&UpstreamLabel {
+                upstream: upstream.to_string(),
+            })
+            .clone()
     }
 
     /// Creates the `idemgate_observed_total` series of every observe route at 0 (a reload
@@ -419,24 +578,15 @@ impl Metrics {
             return Arc::clone(h);
         }
         let mut all = self.per_route.write().expect("metrics lock");
-        let h = all.entry(route.to_string()).or_insert_with(|| {
-            Arc::new(RouteHandles {
-                name: Arc::from(route),
-                outcomes: std::array::from_fn(|_| OnceLock::new()),
-                upstream: self
-                    .upstream_latency
-                    .get_or_create(&RouteLabel {
-                        route: route.to_string(),
-                    })
-                    .clone(),
-                requests: self.requests.clone(),
-            })
-        });
+        let h = all
+            .entry(route.to_string())
+            .or_insert_with(|| Arc::new(RouteHandles::new(route, self)));
         Arc::clone(h)
     }
 
-    pub fn request(&self, route: &str, outcome: &'static str) {
-        self.route(route).request(outcome);
+    /// Counts a request of `route` that ended with `outcome`, answered `status`.
+    pub fn request(&self, route: &str, outcome: &'static str, status: u16) {
+        self.route(route).request(outcome, status);
     }
 
     pub fn lease(&self, route: &str, event: &'static str) {
@@ -452,12 +602,34 @@ impl Metrics {
         self.route(route).upstream(took);
     }
 
+    /// Counts a reload: `ok` or `error`.
+    pub fn reloaded(&self, ok: bool) {
+        let result = RELOAD_RESULTS[usize::from(!ok)];
+        self.reloads.get_or_create(&ResultLabel { result }).inc();
+    }
+
+    /// Counts a garbage collection: `Some(deleted)` when it ran, `None` when another
+    /// instance held the lock; `Err` when it failed.
+    pub fn collected(&self, run: Result<Option<u64>, ()>) {
+        let result = match run {
+            Ok(Some(deleted)) => {
+                self.gc_rows.inc_by(deleted);
+                "ok"
+            }
+            Ok(None) => "skipped",
+            Err(()) => "error",
+        };
+        self.gc_runs.get_or_create(&ResultLabel { result }).inc();
+    }
+
     /// The exposition in `format`.
     pub fn encode(&self, format: Format) -> String {
+        use prometheus_client::encoding::text::{encode_eof, encode_registry};
         let mut out = String::new();
         let registry = self.registry.lock().expect("registry lock");
-        prometheus_client::encoding::text::encode(&mut out, &registry)
-            .expect("writing to a String cannot fail");
+        encode_registry(&mut out, &registry).expect("writing to a String cannot fail");
+        encode_registry(&mut out, &self.process).expect("writing to a String cannot fail");
+        encode_eof(&mut out).expect("writing to a String cannot fail");
         match format {
             Format::OpenMetrics => out,
             Format::Text => openmetrics_to_text(&out),

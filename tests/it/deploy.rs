@@ -173,7 +173,7 @@ fn exported_names() -> std::collections::BTreeSet<String> {
         .get_or_create(&StateLabel { state: "waiting" })
         .set(0);
     let m = Metrics::new(&store);
-    m.request("payments", outcome::FORWARDED);
+    m.request("payments", outcome::FORWARDED, 200);
     m.observed("payments", idemgate::metrics::observed::WOULD_REPLAY);
     m.lease("payments", "taken_over");
     m.upstream("payments", Duration::from_millis(1));
