@@ -1,40 +1,57 @@
 //! Prometheus metrics (`GET /metrics` on `admin.listen`), with prometheus-client.
 //!
-//! Every name starts with `idemgate_`; counters get `_total` from the library. Label values
-//! are bounded: route names (from the config) and fixed outcome, event and operation names;
-//! never keys, scopes or anything a client sends.
+//! Every name starts with `idemgate_` but the standard `process_*` ones; counters get
+//! `_total` from the library. Label values are bounded: route and upstream names (from the
+//! config) and fixed outcome, class, event, result and operation names; never keys, scopes
+//! or anything a client sends. docs/operations.md ("Metrics") has the table.
 //!
-//! - `idemgate_requests_total{route, outcome}`: every request, by what happened to it (see
-//!   [`outcome`] for the names).
+//! - `idemgate_requests_total{route, outcome, status_class}`: every request, by what happened
+//!   to it (see [`outcome`] for the names) and the class of the answer sent (`1xx`..`5xx`,
+//!   [`STATUS_CLASSES`]): an upstream's 500 forwarded is `forwarded`, `5xx`.
+//! - `idemgate_request_duration_seconds{route, outcome}`: from a request's arrival to the end
+//!   of its response (the access line's `duration_us`), 1 ms to 30 s.
 //! - `idemgate_leases_total{route, event}`: `taken_over` (an expired lease was taken over:
-//!   a possible double) and `lost` (our write found the lease taken; not recorded).
-//! - `idemgate_upstream_latency_seconds{route}`: from sending the request to the whole
-//!   response (keyed) or its head (pass-through).
-//! - `idemgate_store_latency_seconds{op}` and `idemgate_store_pool_wait_seconds`: recorded
-//!   by the store. `idemgate_store_batch_keys{op}`: keys per statement of the Postgres
+//!   a possible double), `lost` (our write found the lease taken; not recorded) and
+//!   `force_deleted` (an operator deleted a key under a live lease: a possible double).
+//! - `idemgate_upstream_latency_seconds{route}` and `idemgate_upstream_duration_seconds{upstream}`:
+//!   from sending the request to the whole response (keyed) or its head (pass-through).
+//! - `idemgate_store_latency_seconds{op}`, `idemgate_store_errors_total{op}` and
+//!   `idemgate_store_pool_wait_seconds`: recorded by the store, per operation (one or more
+//!   statements). `idemgate_store_batch_keys{op}`: keys per statement of the Postgres
 //!   store's batched claims (`claim_new`) and completions (`finish`); its count is the
 //!   statements, its sum the keys.
 //! - `idemgate_forwards_in_flight`, `idemgate_store_pool_connections{state}`,
 //!   `idemgate_replay_cache_bytes`, `idemgate_wakeups_healthy`: gauges read at scrape time.
 //! - `idemgate_upstream_in_flight{upstream}` and `idemgate_buffered_bytes`: the admission
-//!   bounds' gauges (docs/contract.md §8.2); `idemgate_overloaded_total{upstream, bound}`
-//!   counts the refusals, `bound` being `max_in_flight` or `max_buffered_bytes`.
-//! - `idemgate_leases_total{route, event="force_deleted"}`: an operator deleted a key under
-//!   a live lease (a possible double, like `taken_over`).
+//!   bounds' gauges (docs/contract.md §8.2), next to the bounds themselves
+//!   (`idemgate_upstream_max_in_flight{upstream}`, `idemgate_max_buffered_bytes`);
+//!   `idemgate_overloaded_total{upstream, bound}` counts the refusals, `bound` being
+//!   `max_in_flight` or `max_buffered_bytes`.
 //! - `idemgate_observed_total{route, outcome}`: on `mode: observe` routes, what enforcing
-//!   would have done with a request that was forwarded instead (see [`observed`]). The
-//!   three series of every observe route exist from the start (at 0), so a rate reads 0,
-//!   not "no data", on a route that has seen no duplicate yet.
+//!   would have done with a request that was forwarded instead (see [`observed`]).
+//! - `idemgate_client_connections`, `idemgate_reloads_total{result}`,
+//!   `idemgate_gc_runs_total{result}`, `idemgate_gc_rows_total`, `idemgate_build_info{version}`.
+//! - `process_*` (`process.rs`): CPU, memory, file descriptors and start time, read from
+//!   `/proc/self` when scraped.
 //!
-//! The two series every request writes (`idemgate_requests_total` and
-//! `idemgate_upstream_latency_seconds`) are kept per thread ([`ShardedCounter`],
-//! [`ShardedHistogram`], `shard.rs`) and summed when scraped: the runtime's workers do not pass
-//! one counter's cache line between their cores at every request.
+//! Every series an alert (deploy/prometheus/alerts.yml) or the dashboard
+//! (deploy/grafana/idemgate.json) reads exists at 0 from the start: [`Metrics::configure`]
+//! creates them with the routes and again on every reload, so a rate or `increase()` over a
+//! series' first step is not lost (a series born at 1 reads no increase).
+//!
+//! The series every request writes (`idemgate_requests_total`,
+//! `idemgate_request_duration_seconds` and the two upstream histograms) are kept per thread
+//! ([`ShardedCounter`], [`ShardedHistogram`], `shard.rs`) and summed when scraped: the
+//! runtime's workers do not pass one counter's cache line between their cores at every
+//! request. A request reaches them through handles resolved once per route
+//! ([`RouteHandles`], `route.rs`) and per route's upstream (`Routing::upstream_durations`):
+//! after a route's first request of an outcome and class, counting takes no lock, map lookup
+//! or allocation.
 //!
 //! `/metrics` answers OpenMetrics to a scraper that asks for it (Prometheus does) and the
 //! older text format to anyone else; `promtool check metrics` lints the latter in CI.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -45,13 +62,14 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 mod format;
+mod labels;
 mod process;
 mod route;
 mod sharded;
 
 pub use format::Format;
 use format::openmetrics_to_text;
-use route::{ALERTED, ALERTED_KEYED};
+pub use labels::{RouteLabel, RouteOutcome, RouteOutcomeClass, STATUS_CLASSES, status_class};
 pub use route::{Counted, RouteHandles};
 pub use sharded::{ShardedCounter, ShardedHistogram};
 
@@ -116,20 +134,6 @@ pub mod observed {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteOutcome {
-    pub route: String,
-    pub outcome: &'static str,
-}
-
-/// The labels of `idemgate_requests_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteOutcomeClass {
-    pub route: String,
-    pub outcome: &'static str,
-    pub status_class: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct VersionLabel {
     pub version: &'static str,
 }
@@ -154,11 +158,6 @@ pub struct UpstreamLabel {
 pub struct UpstreamBound {
     pub upstream: String,
     pub bound: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteLabel {
-    pub route: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -191,17 +190,6 @@ const DURATION_BOUNDS: [f64; 15] = [
 
 fn duration_buckets() -> ShardedHistogram {
     ShardedHistogram::new(DURATION_BOUNDS)
-}
-
-/// The status classes of `idemgate_requests_total`, by a status's hundreds digit less one.
-pub const STATUS_CLASSES: [&str; 5] = ["1xx", "2xx", "3xx", "4xx", "5xx"];
-
-/// The index in [`STATUS_CLASSES`] of `status` (a status outside 100-599 counts as 5xx).
-pub fn status_class(status: u16) -> usize {
-    match status {
-        100..=599 => usize::from(status / 100 - 1),
-        _ => 4,
-    }
 }
 
 /// The lease events of `idemgate_leases_total`, every one created at 0 for every keyed
@@ -284,7 +272,11 @@ pub struct Metrics {
     pub replay_cache_bytes: Gauge,
     pub wakeups_healthy: Gauge,
     pub upstream_in_flight: Family<UpstreamLabel, Gauge>,
+    /// Each upstream's `max_in_flight`, set with the routes.
+    pub upstream_max_in_flight: Family<UpstreamLabel, Gauge>,
     pub buffered_bytes: Gauge,
+    /// `server.max_buffered_bytes`, set with the routes.
+    pub max_buffered_bytes: Gauge,
     pub overloaded: Family<UpstreamBound, Counter>,
     pub observed: Family<RouteOutcome, Counter>,
     /// Client connections open now (`server.rs` counts them).
@@ -298,6 +290,30 @@ pub struct Metrics {
     /// The handles of `route=""`: a request that matched no route.
     unrouted: Arc<RouteHandles>,
 }
+
+/// The request series the shipped alerts read (deploy/prometheus/alerts.yml), created at 0
+/// for every route (`keyed`: for every keyed route) so that a rate over a series' first
+/// increase is not lost: (outcome, status class index).
+const ALERTED: [(&str, usize); 5] = [
+    (outcome::PROXIED, 4),
+    (outcome::UPSTREAM_UNAVAILABLE, 4),
+    (outcome::UPSTREAM_TIMEOUT, 4),
+    (outcome::INTERNAL, 4),
+    (outcome::OVERLOADED, 4),
+];
+const ALERTED_KEYED: [(&str, usize); 10] = [
+    (outcome::FORWARDED, 4),
+    (outcome::OBSERVED, 4),
+    (outcome::STORE_UNAVAILABLE, 4),
+    (outcome::OUTCOME_UNKNOWN, 4),
+    // Forwarded without idempotency: whatever the upstream answered.
+    (outcome::BYPASSED, 0),
+    (outcome::BYPASSED, 1),
+    (outcome::BYPASSED, 2),
+    (outcome::BYPASSED, 3),
+    (outcome::BYPASSED, 4),
+    (outcome::MISMATCH, 3),
+];
 
 impl Metrics {
     /// Counts a request refused by `bound` (`max_in_flight`, `max_buffered_bytes`) of
@@ -326,6 +342,13 @@ impl Metrics {
         let wakeups_healthy = Gauge::default();
         let upstream_in_flight = Family::<UpstreamLabel, Gauge>::default();
         let buffered_bytes = Gauge::default();
+        let upstream_max_in_flight = Family::<UpstreamLabel, Gauge>::default();
+        let max_buffered_bytes = Gauge::default();
+        // The operations every request makes, so that an error rate reads 0 before the
+        // first error.
+        for op in ["claim", "finish"] {
+            let _created = store.errors.get_or_create(&OpLabel { op });
+        }
         let overloaded = Family::<UpstreamBound, Counter>::default();
         let observed = Family::<RouteOutcome, Counter>::default();
         let client_connections = Gauge::default();
@@ -358,6 +381,16 @@ impl Metrics {
             "upstream_in_flight",
             "Requests admitted to each upstream and not yet finished (bounded by max_in_flight)",
             upstream_in_flight.clone(),
+        );
+        registry.register(
+            "upstream_max_in_flight",
+            "Each upstream's max_in_flight: the bound of upstream_in_flight",
+            upstream_max_in_flight.clone(),
+        );
+        registry.register(
+            "max_buffered_bytes",
+            "server.max_buffered_bytes: the bound of buffered_bytes",
+            max_buffered_bytes.clone(),
         );
         registry.register(
             "buffered_bytes",
@@ -473,7 +506,9 @@ impl Metrics {
             replay_cache_bytes,
             wakeups_healthy,
             upstream_in_flight,
+            upstream_max_in_flight,
             buffered_bytes,
+            max_buffered_bytes,
             overloaded,
             observed,
             client_connections,
@@ -481,13 +516,13 @@ impl Metrics {
             gc_runs,
             gc_rows,
             per_route: Default::default(),
-            unrouted: Arc::new(RouteHandles {
-                name: Arc::from(""),
-                outcomes: std::array::from_fn(|_| OnceLock::new()),
-                upstream: ShardedHistogram::new([]),
-                requests: Family::default(),
-                durations: Family::new_with_constructor(duration_buckets),
-            }),
+            // Replaced just below by the registered handles of `route=""`.
+            unrouted: Arc::new(RouteHandles::new(
+                "",
+                ShardedHistogram::new([]),
+                Family::default(),
+                Family::new_with_constructor(duration_buckets),
+            )),
         };
         m.unrouted = m.route("");
         m
@@ -537,11 +572,24 @@ impl Metrics {
                 });
             }
         }
-        for name in config.upstreams.keys() {
-            let _created = self.upstream_duration.get_or_create(&UpstreamLabel {
+        for (name, upstream) in &config.upstreams {
+            let label = UpstreamLabel {
                 upstream: name.clone(),
-            });
+            };
+            let _created = self.upstream_duration.get_or_create(&label);
+            let _created = self.upstream_in_flight.get_or_create(&label);
+            self.upstream_max_in_flight
+                .get_or_create(&label)
+                .set(i64::try_from(upstream.max_in_flight).unwrap_or(i64::MAX));
+            for bound in ["max_in_flight", "max_buffered_bytes"] {
+                let _created = self.overloaded.get_or_create(&UpstreamBound {
+                    upstream: name.clone(),
+                    bound,
+                });
+            }
         }
+        self.max_buffered_bytes
+            .set(i64::try_from(config.server.max_buffered_bytes).unwrap_or(i64::MAX));
     }
 
     /// The histogram of `idemgate_upstream_duration_seconds{upstream}`.
@@ -578,9 +626,16 @@ impl Metrics {
             return Arc::clone(h);
         }
         let mut all = self.per_route.write().expect("metrics lock");
-        let h = all
-            .entry(route.to_string())
-            .or_insert_with(|| Arc::new(RouteHandles::new(route, self)));
+        let h = all.entry(route.to_string()).or_insert_with(|| {
+            let upstream = self
+                .upstream_latency
+                .get_or_create(&RouteLabel {
+                    route: route.to_string(),
+                })
+                .clone();
+            let (requests, durations) = (self.requests.clone(), self.request_duration.clone());
+            Arc::new(RouteHandles::new(route, upstream, requests, durations))
+        });
         Arc::clone(h)
     }
 

@@ -7,10 +7,8 @@ use std::time::Duration;
 
 use prometheus_client::metrics::family::Family;
 
-use super::{
-    Metrics, RouteLabel, RouteOutcome, RouteOutcomeClass, STATUS_CLASSES, ShardedCounter,
-    ShardedHistogram, outcome, status_class,
-};
+use super::labels::{RouteOutcome, RouteOutcomeClass, STATUS_CLASSES, status_class};
+use super::sharded::{ShardedCounter, ShardedHistogram};
 
 /// One route's request counters (by outcome and status class, filled on first use), its
 /// request-duration histograms (by outcome) and its upstream latency histogram, resolved once
@@ -20,12 +18,12 @@ pub struct RouteHandles {
     /// The route's name (the label of its series, and the access line's `route`).
     pub name: Arc<str>,
     /// One slot per outcome this route has had, filled in the order they first came.
-    pub(super) outcomes: [OnceLock<OutcomeHandles>; OUTCOME_SLOTS],
-    pub(super) upstream: ShardedHistogram,
+    outcomes: [OnceLock<OutcomeHandles>; OUTCOME_SLOTS],
+    upstream: ShardedHistogram,
     /// `Metrics::requests`, for a class or outcome this route has not had yet.
-    pub(super) requests: Family<RouteOutcomeClass, ShardedCounter>,
+    requests: Family<RouteOutcomeClass, ShardedCounter>,
     /// `Metrics::request_duration`, likewise.
-    pub(super) durations: Family<RouteOutcome, ShardedHistogram>,
+    durations: Family<RouteOutcome, ShardedHistogram>,
 }
 
 /// One outcome's series of one route: a counter per status class and the duration
@@ -45,18 +43,20 @@ const OUTCOME_SLOTS: usize = 32;
 pub struct Counted(usize);
 
 impl RouteHandles {
-    pub(super) fn new(route: &str, metrics: &Metrics) -> RouteHandles {
+    /// The handles of `route`: its upstream latency histogram, and the families its request
+    /// series are made in.
+    pub(super) fn new(
+        route: &str,
+        upstream: ShardedHistogram,
+        requests: Family<RouteOutcomeClass, ShardedCounter>,
+        durations: Family<RouteOutcome, ShardedHistogram>,
+    ) -> RouteHandles {
         RouteHandles {
             name: Arc::from(route),
             outcomes: std::array::from_fn(|_| OnceLock::new()),
-            upstream: metrics
-                .upstream_latency
-                .get_or_create(&RouteLabel {
-                    route: route.to_string(),
-                })
-                .clone(),
-            requests: metrics.requests.clone(),
-            durations: metrics.request_duration.clone(),
+            upstream,
+            requests,
+            durations,
         }
     }
 
@@ -145,27 +145,3 @@ impl RouteHandles {
         self.upstream.observe(took.as_secs_f64());
     }
 }
-
-/// The request series the shipped alerts read (deploy/prometheus/alerts.yml), created at 0
-/// for every route (`keyed`: for every keyed route) so that a rate over a series' first
-/// increase is not lost: (outcome, status class index).
-pub(super) const ALERTED: [(&str, usize); 5] = [
-    (outcome::PROXIED, 4),
-    (outcome::UPSTREAM_UNAVAILABLE, 4),
-    (outcome::UPSTREAM_TIMEOUT, 4),
-    (outcome::INTERNAL, 4),
-    (outcome::OVERLOADED, 4),
-];
-pub(super) const ALERTED_KEYED: [(&str, usize); 10] = [
-    (outcome::FORWARDED, 4),
-    (outcome::OBSERVED, 4),
-    (outcome::STORE_UNAVAILABLE, 4),
-    (outcome::OUTCOME_UNKNOWN, 4),
-    // Forwarded without idempotency: whatever the upstream answered.
-    (outcome::BYPASSED, 0),
-    (outcome::BYPASSED, 1),
-    (outcome::BYPASSED, 2),
-    (outcome::BYPASSED, 3),
-    (outcome::BYPASSED, 4),
-    (outcome::MISMATCH, 3),
-];
