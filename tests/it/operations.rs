@@ -235,7 +235,11 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     .await;
     let b = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let mut gw = GatewayProcess::start(&config_yaml(&db, &a.url(), "")).await;
+    let yaml = format!(
+        "{}admin: {{ listen: 127.0.0.1:0 }}\n",
+        config_yaml(&db, &a.url(), "")
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
     let c = client();
     // In flight on upstream A when the reload lands.
     let slow = in_flight(&gw.url("/pay"), &a, "acct", "during-reload", "x").await;
@@ -324,6 +328,15 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
         || async { gw.log_text().contains("the store section changed") },
     )
     .await;
+    // One reload swapped in, two refused: each counted by its result.
+    let metrics = format!("http://{}/metrics", gw.admin.expect("an admin listener"));
+    let text =
+        String::from_utf8_lossy(&send(&c, Method::GET, &metrics, &[], "").await.body).to_string();
+    assert_eq!(metric(&text, "idemgate_reloads_total{result=\"ok\"} "), 1.0);
+    assert_eq!(
+        metric(&text, "idemgate_reloads_total{result=\"error\"} "),
+        2.0
+    );
     gw.kill();
 }
 
@@ -595,6 +608,17 @@ async fn the_periodic_gc_collects_expired_keys_by_itself() {
         || async { row_state(&gw, "a", "short").await.is_none() },
     )
     .await;
+    // The collections are counted, and the row they deleted.
+    let text = String::from_utf8_lossy(&admin_get(&gw, "/metrics", None).await.body).to_string();
+    assert!(
+        metric(&text, "idemgate_gc_runs_total{result=\"ok\"} ") >= 1.0,
+        "{text}"
+    );
+    assert_eq!(metric(&text, "idemgate_gc_rows_total "), 1.0, "{text}");
+    assert_eq!(
+        metric(&text, "idemgate_gc_runs_total{result=\"error\"} "),
+        0.0
+    );
     gw.shutdown().await;
 }
 
