@@ -718,8 +718,8 @@ pub fn requests_counted(text: &str, route: &str, outcome: &str) -> f64 {
         .sum()
 }
 
-/// `idemgate_leases_total{route, event}` as `gw` reports it now (0 while the series does not
-/// exist: it appears at its first event).
+/// `idemgate_leases_total{route, event}` as `gw` reports it now (a keyed route's series exist
+/// at 0 from the start; 0 for a series that does not exist).
 pub async fn lease_events(gw: &TestGateway, route: &str, event: &str) -> f64 {
     let scraped = admin_request(gw, Method::GET, "/metrics", None).await;
     let text = String::from_utf8_lossy(&scraped.body);
