@@ -93,6 +93,8 @@ pub fn new_request_id() -> HeaderValue {
 pub(crate) struct RequestLog {
     /// The matched route's metric handles (and name).
     pub(crate) route: Option<Arc<crate::metrics::RouteHandles>>,
+    /// The matched route's index in the routing snapshot the request was served with.
+    pub(crate) index: Option<usize>,
     pub(crate) outcome: &'static str,
     pub(crate) key_id: Option<crate::key::KeyId>,
     pub(crate) upstream: Option<Duration>,
@@ -108,6 +110,7 @@ impl RequestLog {
     pub(crate) fn new(outcome: &'static str) -> RequestLog {
         RequestLog {
             route: None,
+            index: None,
             outcome,
             key_id: None,
             upstream: None,
@@ -128,8 +131,11 @@ pub struct AccessLine {
     pub client_ip: std::net::IpAddr,
     pub request_id: HeaderValue,
     pub started: Instant,
-    /// The matched route's handles (its name is the line's `route`).
-    pub route: Option<Arc<crate::metrics::RouteHandles>>,
+    /// The matched route's handles (its name is the line's `route`; `""` when none
+    /// matched); its request duration is observed in them when the line is written.
+    pub route: Arc<crate::metrics::RouteHandles>,
+    /// Where the request was counted (`RouteHandles::request`).
+    pub counted: crate::metrics::Counted,
     pub outcome: &'static str,
     pub status: u16,
     pub key_id: Option<String>,
@@ -153,10 +159,12 @@ fn protocol(v: Version) -> &'static str {
 impl AccessLine {
     /// Writes the line (see the module docs).
     fn emit(&self, bytes_out: u64, counted_in: Option<&AtomicU64>) {
-        let route = self.route.as_deref().map_or("", |h| &*h.name);
+        let route = &*self.route.name;
         let key = self.key_id.as_deref().unwrap_or("");
         let upstream_us = self.upstream.map_or(-1, |d| d.as_micros() as i64);
-        let duration_us = self.started.elapsed().as_micros() as u64;
+        let took = self.started.elapsed();
+        self.route.finished(self.counted, self.outcome, took);
+        let duration_us = took.as_micros() as u64;
         let bytes_in = self
             .bytes_in
             .or_else(|| counted_in.map(|c| c.load(Ordering::Relaxed)))

@@ -192,6 +192,7 @@ impl App {
             Arc::clone(&store),
             config.gc.clone(),
             stop_rx.clone(),
+            Arc::clone(&gateway.metrics),
         ));
         if let Some(path) = reload_from {
             tokio::spawn(reload_on_sighup(path, Arc::clone(&gateway), stop_rx));
@@ -402,7 +403,14 @@ async fn online_until_done(store: Arc<dyn Store>, mut stop: watch::Receiver<bool
 /// Collects expired rows every `interval` (the first time one interval after start) until
 /// shutdown; errors are logged and retried at
 /// the next tick.
-async fn gc_loop(store: Arc<dyn Store>, cfg: GcConfig, mut stop: watch::Receiver<bool>) {
+/// Each collection is counted in `idemgate_gc_runs_total{result}` and its rows in
+/// `idemgate_gc_rows_total`.
+async fn gc_loop(
+    store: Arc<dyn Store>,
+    cfg: GcConfig,
+    mut stop: watch::Receiver<bool>,
+    metrics: Arc<crate::metrics::Metrics>,
+) {
     // The first collection one interval after start, not at once: a fleet restarted
     // together does not all reach for the lock in the same second.
     let mut tick =
@@ -413,7 +421,13 @@ async fn gc_loop(store: Arc<dyn Store>, cfg: GcConfig, mut stop: watch::Receiver
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        match store.gc(cfg.batch_size).await {
+        let run = store.gc(cfg.batch_size).await;
+        metrics.collected(match &run {
+            Ok(r) if r.ran => Ok(Some(r.deleted)),
+            Ok(_) => Ok(None),
+            Err(_) => Err(()),
+        });
+        match run {
             Ok(run) if run.deleted > 0 => {
                 tracing::info!(deleted = run.deleted, "expired keys collected")
             }
@@ -438,6 +452,7 @@ async fn reload_on_sighup(path: PathBuf, gateway: Arc<Gateway>, mut stop: watch:
         }
         match Config::load(&path) {
             Err(e) => {
+                gateway.metrics().reloaded(false);
                 tracing::error!(error = %e, "reload refused; the old configuration stays in force")
             }
             Ok(config) => {
@@ -451,7 +466,9 @@ async fn reload_on_sighup(path: PathBuf, gateway: Arc<Gateway>, mut stop: watch:
                         tracing::error!(error = %why, "the listener's certificate could not be read again; the one in place stays")
                     }
                 }
-                match gateway.reload(config) {
+                let reloaded = gateway.reload(config);
+                gateway.metrics().reloaded(reloaded.is_ok());
+                match reloaded {
                     Err(why) => {
                         tracing::error!(error = %why, "reload refused; the old configuration stays in force")
                     }

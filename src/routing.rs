@@ -24,6 +24,8 @@ pub struct Routing {
     pub(crate) upstreams: Upstreams,
     /// The metric handles of `config.routes[i]` at `i`.
     pub(crate) metrics: Vec<Arc<RouteHandles>>,
+    /// `idemgate_upstream_duration_seconds` of the upstream of `config.routes[i]` at `i`.
+    pub(crate) upstream_durations: Vec<crate::metrics::ShardedHistogram>,
     /// The routes as a lenient backend reads paths.
     lenient: Lenient,
 }
@@ -36,11 +38,17 @@ impl Routing {
             .iter()
             .map(|r| gateway_limits.metrics.route(&r.name))
             .collect();
+        let upstream_durations = config
+            .routes
+            .iter()
+            .map(|r| gateway_limits.metrics.upstream_duration(&r.upstream))
+            .collect();
         let lenient = Lenient::new(&config);
         Routing {
             config,
             upstreams,
             metrics,
+            upstream_durations,
             lenient,
         }
     }

@@ -47,6 +47,7 @@ impl Connection {
         slot: Option<crate::limits::ConnectionSlot>,
     ) -> Connection {
         let routing = std::sync::Mutex::new(ConnectionRouting::taken(&gateway));
+        gateway.metrics.client_connections.inc();
         Connection {
             gateway,
             client,
@@ -74,6 +75,12 @@ impl Connection {
         self.gateway
             .handle(&routing.0, req, &self.client, self.slot.clone())
             .await
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.gateway.metrics.client_connections.dec();
     }
 }
 
@@ -138,15 +145,16 @@ impl Gateway {
             resp.headers_mut()
                 .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        match &log.route {
-            Some(handles) => {
-                handles.request(log.outcome);
-                if let Some(took) = log.upstream {
-                    handles.upstream(took);
-                }
+        // No route matched: counted under `route=""`.
+        let handles = log
+            .route
+            .unwrap_or_else(|| Arc::clone(self.metrics.unrouted()));
+        let counted = handles.request(log.outcome, resp.status().as_u16());
+        if let Some(took) = log.upstream {
+            handles.upstream(took);
+            if let Some(index) = log.index {
+                routing.upstream_durations[index].observe(took.as_secs_f64());
             }
-            // No route matched: counted under `route=""`.
-            None => self.metrics.route("").request(log.outcome),
         }
         resp.headers_mut()
             .insert(crate::access::X_REQUEST_ID, request_id.clone());
@@ -157,7 +165,8 @@ impl Gateway {
             client_ip: client.addr.ip(),
             request_id,
             started,
-            route: log.route,
+            route: handles,
+            counted,
             outcome: log.outcome,
             status: resp.status().as_u16(),
             key_id: log.key_id.map(String::from),
@@ -195,6 +204,7 @@ impl Gateway {
             *req.uri_mut() = uri;
         }
         log.route = Some(Arc::clone(&routing.metrics[index]));
+        log.index = Some(index);
         let upstream = routing.upstream_of(route);
         match &route.idempotency {
             Some(idem) if idem.methods.contains(req.method()) => {

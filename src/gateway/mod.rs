@@ -179,7 +179,7 @@ impl Gateway {
             metrics.buffered_bytes.clone(),
         ));
         let limits = std::sync::Mutex::default();
-        metrics.init_observed(&config);
+        metrics.configure(&config);
         let routing = Routing::new(
             config,
             &LimitRegistry {
@@ -307,7 +307,7 @@ impl Gateway {
             restart_needed.push("log");
             config.log_format = old.log_format;
         }
-        self.metrics.init_observed(&config);
+        self.metrics.configure(&config);
         let routing = Routing::new(
             Arc::new(config),
             &LimitRegistry {

@@ -165,7 +165,7 @@ impl SqliteStore {
     {
         let started = Instant::now();
         let result = self.call_inner(f).await;
-        self.metrics.observe(op, started.elapsed());
+        self.metrics.record(op, started.elapsed(), &result);
         result
     }
 

@@ -28,16 +28,70 @@ async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
     let m = admin_get(&gw, "/metrics", None).await;
     assert_eq!(m.status, 200);
     let text = String::from_utf8_lossy(&m.body).to_string();
-    let requests = |route: &str, outcome: &str| {
-        metric(
-            &text,
-            &format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\"}}"),
-        )
-    };
+    let requests = |route: &str, outcome: &str| requests_counted(&text, route, outcome);
     assert_eq!(requests("payments", "forwarded"), 1.0);
     assert_eq!(requests("payments", "replayed"), 1.0);
     assert_eq!(requests("payments", "mismatch"), 1.0);
     assert_eq!(requests("rest", "proxied"), 1.0);
+    // By the status class of the answer: the mismatch was a 422, the rest 201s.
+    let class = |route: &str, outcome: &str, class: &str| {
+        metric(
+            &text,
+            &format!(
+                "idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\",status_class=\"{class}\"}} "
+            ),
+        )
+    };
+    assert_eq!(class("payments", "mismatch", "4xx"), 1.0);
+    assert_eq!(class("payments", "forwarded", "2xx"), 1.0);
+    // Created at 0 with the routes, for the upstream-errors alert.
+    assert_eq!(class("payments", "forwarded", "5xx"), 0.0);
+    assert_eq!(class("rest", "proxied", "2xx"), 1.0);
+    // Each request's duration, by outcome; the upstream's, by upstream.
+    for outcome in ["forwarded", "replayed", "mismatch"] {
+        assert_eq!(
+            metric(
+                &text,
+                &format!(
+                    "idemgate_request_duration_seconds_count{{route=\"payments\",outcome=\"{outcome}\"}} "
+                )
+            ),
+            1.0,
+            "{outcome}"
+        );
+    }
+    assert_eq!(
+        metric(
+            &text,
+            "idemgate_upstream_duration_seconds_count{upstream=\"app\"} "
+        ),
+        2.0,
+        "the forward and the plain GET"
+    );
+    for event in ["taken_over", "lost", "force_deleted"] {
+        assert_eq!(
+            metric(
+                &text,
+                &format!("idemgate_leases_total{{route=\"payments\",event=\"{event}\"}} ")
+            ),
+            0.0,
+            "{event}: at 0 from the start"
+        );
+    }
+    assert_eq!(
+        metric(
+            &text,
+            &format!(
+                "idemgate_build_info{{version=\"{}\"}} ",
+                env!("CARGO_PKG_VERSION")
+            )
+        ),
+        1.0
+    );
+    assert!(metric(&text, "process_resident_memory_bytes ") > 0.0);
+    assert!(metric(&text, "process_open_fds ") > 0.0);
+    // This scrape's connection is one of them (the client may keep others open).
+    assert!(metric(&text, "idemgate_client_connections ") >= 0.0);
     assert!(
         metric(
             &text,
@@ -98,12 +152,7 @@ async fn metrics_follow_each_route_across_a_reload_that_reorders_and_renames_rou
     assert_eq!(get("/a/y").await.status, 201);
     assert_eq!(get("/b/x").await.status, 201);
     let text = String::from_utf8_lossy(&admin_get(&gw, "/metrics", None).await.body).to_string();
-    let proxied = |route: &str| {
-        metric(
-            &text,
-            &format!("idemgate_requests_total{{route=\"{route}\",outcome=\"proxied\"}}"),
-        )
-    };
+    let proxied = |route: &str| requests_counted(&text, route, "proxied");
     assert_eq!(proxied("first"), 3.0, "{text}");
     assert_eq!(proxied("second"), 1.0, "{text}");
     assert_eq!(proxied("renamed"), 1.0, "{text}");
@@ -186,7 +235,11 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
     .await;
     let b = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let mut gw = GatewayProcess::start(&config_yaml(&db, &a.url(), "")).await;
+    let yaml = format!(
+        "{}admin: {{ listen: 127.0.0.1:0 }}\n",
+        config_yaml(&db, &a.url(), "")
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
     let c = client();
     // In flight on upstream A when the reload lands.
     let slow = in_flight(&gw.url("/pay"), &a, "acct", "during-reload", "x").await;
@@ -275,6 +328,15 @@ async fn sighup_swaps_in_a_valid_file_keeps_the_old_one_on_a_bad_file_and_spares
         || async { gw.log_text().contains("the store section changed") },
     )
     .await;
+    // One reload swapped in, two refused: each counted by its result.
+    let metrics = format!("http://{}/metrics", gw.admin.expect("an admin listener"));
+    let text =
+        String::from_utf8_lossy(&send(&c, Method::GET, &metrics, &[], "").await.body).to_string();
+    assert_eq!(metric(&text, "idemgate_reloads_total{result=\"ok\"} "), 1.0);
+    assert_eq!(
+        metric(&text, "idemgate_reloads_total{result=\"error\"} "),
+        2.0
+    );
     gw.kill();
 }
 
@@ -546,6 +608,17 @@ async fn the_periodic_gc_collects_expired_keys_by_itself() {
         || async { row_state(&gw, "a", "short").await.is_none() },
     )
     .await;
+    // The collections are counted, and the row they deleted.
+    let text = String::from_utf8_lossy(&admin_get(&gw, "/metrics", None).await.body).to_string();
+    assert!(
+        metric(&text, "idemgate_gc_runs_total{result=\"ok\"} ") >= 1.0,
+        "{text}"
+    );
+    assert_eq!(metric(&text, "idemgate_gc_rows_total "), 1.0, "{text}");
+    assert_eq!(
+        metric(&text, "idemgate_gc_runs_total{result=\"error\"} "),
+        0.0
+    );
     gw.shutdown().await;
 }
 

@@ -48,10 +48,7 @@ fn observed(text: &str, outcome: &str) -> f64 {
 }
 
 fn requests(text: &str, outcome: &str) -> f64 {
-    metric(
-        text,
-        &format!("idemgate_requests_total{{route=\"payments\",outcome=\"{outcome}\"}}"),
-    )
+    requests_counted(text, "payments", outcome)
 }
 
 /// The one log line that says what enforcing would have done with `key_id`'s request.

@@ -290,7 +290,7 @@ impl Store for PgStore {
         Box::pin(async move {
             let started = std::time::Instant::now();
             let claim = self.claim_all(&req).await;
-            self.db.metrics.observe("claim", started.elapsed());
+            self.db.metrics.record("claim", started.elapsed(), &claim);
             claim
         })
     }
@@ -314,7 +314,9 @@ impl Store for PgStore {
                 id: &id,
             };
             let written = self.finish_all(f, outcome).await;
-            self.db.metrics.observe("finish", started.elapsed());
+            self.db
+                .metrics
+                .record("finish", started.elapsed(), &written);
             written
         })
     }

@@ -258,7 +258,7 @@ impl Db {
     ) -> Result<T, StoreError> {
         let started = std::time::Instant::now();
         let result = self.unobserved(f).await;
-        self.metrics.observe(op, started.elapsed());
+        self.metrics.record(op, started.elapsed(), &result);
         result
     }
 

@@ -708,8 +708,18 @@ pub fn metric(text: &str, line_start: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric line starting with {line_start} in:\n{text}"))
 }
 
-/// `idemgate_leases_total{route, event}` as `gw` reports it now (0 while the series does not
-/// exist: it appears at its first event).
+/// `idemgate_requests_total{route, outcome}` summed over its status classes (0 while no
+/// series exists).
+pub fn requests_counted(text: &str, route: &str, outcome: &str) -> f64 {
+    let series = format!("idemgate_requests_total{{route=\"{route}\",outcome=\"{outcome}\",");
+    text.lines()
+        .filter(|l| l.starts_with(&series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `idemgate_leases_total{route, event}` as `gw` reports it now (a keyed route's series exist
+/// at 0 from the start; 0 for a series that does not exist).
 pub async fn lease_events(gw: &TestGateway, route: &str, event: &str) -> f64 {
     let scraped = admin_request(gw, Method::GET, "/metrics", None).await;
     let text = String::from_utf8_lossy(&scraped.body);
