@@ -54,24 +54,29 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
+mod buckets;
 mod format;
 mod labels;
 mod process;
 mod route;
 mod sharded;
+mod store;
 
+use buckets::*;
 pub use format::Format;
 use format::openmetrics_to_text;
+pub use labels::{
+    OpLabel, ResultLabel, RouteEvent, StateLabel, UpstreamBound, UpstreamLabel, VersionLabel,
+};
 pub use labels::{RouteLabel, RouteOutcome, RouteOutcomeClass, STATUS_CLASSES, status_class};
 pub use route::{Counted, RouteHandles};
 pub use sharded::{ShardedCounter, ShardedHistogram};
+pub use store::StoreMetrics;
 
 /// The outcome names of `idemgate_requests_total`.
 pub mod outcome {
@@ -133,65 +138,6 @@ pub mod observed {
     pub const ALL: [&str; 3] = [WOULD_REPLAY, WOULD_WAIT, WOULD_MISMATCH];
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct VersionLabel {
-    pub version: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabel {
-    pub result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RouteEvent {
-    pub route: String,
-    pub event: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UpstreamLabel {
-    pub upstream: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UpstreamBound {
-    pub upstream: String,
-    pub bound: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OpLabel {
-    pub op: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StateLabel {
-    pub state: &'static str,
-}
-
-/// Latency bucket bounds: 100 µs to about 52 s.
-fn latency_bounds() -> impl Iterator<Item = f64> {
-    exponential_buckets(0.0001, 2.0, 20)
-}
-
-fn latency_buckets() -> Histogram {
-    Histogram::new(latency_bounds())
-}
-
-fn route_latency_buckets() -> ShardedHistogram {
-    ShardedHistogram::new(latency_bounds())
-}
-
-/// Request and upstream duration bucket bounds for a proxy: 1 ms to 30 s.
-const DURATION_BOUNDS: [f64; 15] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
-];
-
-fn duration_buckets() -> ShardedHistogram {
-    ShardedHistogram::new(DURATION_BOUNDS)
-}
-
 /// The lease events of `idemgate_leases_total`, every one created at 0 for every keyed
 /// route (docs/operations.md, "Alerts worth setting").
 pub const LEASE_EVENTS: [&str; 3] = ["taken_over", "lost", "force_deleted"];
@@ -202,61 +148,6 @@ pub const RELOAD_RESULTS: [&str; 2] = ["ok", "error"];
 /// The results of `idemgate_gc_runs_total`: `ok` (this instance collected), `skipped`
 /// (another instance held the collection lock), `error`.
 pub const GC_RESULTS: [&str; 3] = ["ok", "skipped", "error"];
-
-fn batch_buckets() -> Histogram {
-    // 1 to 256 keys per statement.
-    Histogram::new(exponential_buckets(1.0, 2.0, 9))
-}
-
-/// Store-side metrics, shared (cheap clones) between the store that records them and the
-/// registry that exposes them.
-#[derive(Clone)]
-pub struct StoreMetrics {
-    pub latency: Family<OpLabel, Histogram>,
-    pub pool_wait: Histogram,
-    pub pool: Family<StateLabel, Gauge>,
-    pub batch: Family<OpLabel, Histogram>,
-    /// Operations that failed, by operation (the same `op` names as `latency`).
-    pub errors: Family<OpLabel, Counter>,
-    /// Streaming standbys of the database that are not synchronous (found at start).
-    pub async_standbys: Gauge,
-}
-
-impl Default for StoreMetrics {
-    fn default() -> Self {
-        StoreMetrics {
-            latency: Family::new_with_constructor(latency_buckets),
-            pool_wait: latency_buckets(),
-            pool: Family::default(),
-            batch: Family::new_with_constructor(batch_buckets),
-            errors: Family::default(),
-            async_standbys: Gauge::default(),
-        }
-    }
-}
-
-impl StoreMetrics {
-    /// One statement of a batched operation carried `keys` keys.
-    pub fn batch(&self, op: &'static str, keys: usize) {
-        self.batch
-            .get_or_create(&OpLabel { op })
-            .observe(keys as f64);
-    }
-
-    pub fn observe(&self, op: &'static str, took: Duration) {
-        self.latency
-            .get_or_create(&OpLabel { op })
-            .observe(took.as_secs_f64());
-    }
-
-    /// Records one operation: its latency, and an error if it failed.
-    pub fn record<T, E>(&self, op: &'static str, took: Duration, result: &Result<T, E>) {
-        self.observe(op, took);
-        if result.is_err() {
-            self.errors.get_or_create(&OpLabel { op }).inc();
-        }
-    }
-}
 
 /// Every metric of a gateway process.
 pub struct Metrics {
