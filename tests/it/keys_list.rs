@@ -462,6 +462,48 @@ async fn the_listing_walks_the_primary_key_and_never_scans_the_table() {
             "{what}: {plan}"
         );
     }
+
+    // What a page reads, counted by the server: a first page of 50 with a filter that
+    // matches one row in 97 reads 500 rows of the 25,000 (10 per key of its limit), finds
+    // the few that match among them, and leaves the rest of the table unread.
+    let sql = format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) {}",
+        idemgate::store::postgres::list_sql(false, false)
+    );
+    let params: Params = [&none, &none, &none, &unknown, &none, &no_age, &l50, &e500];
+    let typed: Vec<(&(dyn ToSql + Sync), Type)> = params
+        .iter()
+        .copied()
+        .zip(idemgate::store::postgres::LIST_TYPES.iter().cloned())
+        .collect();
+    let text: JsonText = db.query_typed(&sql, &typed).await.unwrap()[0].get(0);
+    let plan: serde_json::Value = serde_json::from_str(&text.0).unwrap();
+    let mut nodes = Vec::new();
+    collect_nodes(&plan, &mut nodes);
+    let rows = |n: &serde_json::Value, field: &str| n[field].as_f64().unwrap_or(-1.0);
+    let read: Vec<f64> = nodes
+        .iter()
+        .filter(|n| n["Relation Name"] == "idemgate_keys")
+        .map(|n| rows(n, "Actual Rows") * rows(n, "Actual Loops"))
+        .collect();
+    assert_eq!(read, vec![500.0], "rows read from the keys table: {plan}");
+    // The page's rows: the matches, and the last row read when it is not one (the cursor).
+    let expected: i64 = db
+        .query_one(
+            "SELECT count(*) FILTER (WHERE state = 'unknown')
+                    + CASE WHEN (array_agg(state ORDER BY scope, key))[500] = 'unknown'
+                           THEN 0 ELSE 1 END
+               FROM (SELECT scope, key, state FROM idemgate_keys ORDER BY scope, key LIMIT 500) w",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(
+        rows(&plan[0]["Plan"], "Actual Rows"),
+        expected as f64,
+        "{plan}"
+    );
 }
 
 /// A `json` value as its text.
