@@ -13,7 +13,7 @@ use idemgate::store::{Claim, ClaimRequest};
 
 use crate::support::*;
 
-backend_tests!(postgres: Postgres, sqlite: Sqlite, pgbouncer: Pgbouncer; [
+backend_tests!(postgres: Postgres, sqlite: Sqlite, pgbouncer: Pgbouncer, partitioned: Partitioned; [
     every_filter_lists_exactly_the_keys_it_names,
     paging_misses_and_repeats_no_key_whatever_the_filter_matches,
     an_invalid_parameter_is_400_naming_it,
