@@ -257,10 +257,19 @@ pub async fn keys_list(
     args: crate::keys::ListArgs,
     json: bool,
 ) -> Result<String, CommandError> {
+    // A parameter is named as its flag (`--older-than`), not as the API's `older_than`.
+    let flag = |e: crate::keys::LookupError| match e {
+        crate::keys::LookupError::Invalid { param, why } => {
+            CommandError::Other(format!("invalid --{}: {why}", param.replace('_', "-")))
+        }
+        e => CommandError::Lookup(e),
+    };
     let config = Config::load(path)?;
-    let req = crate::keys::ListRequest::parse(&config, args)?;
+    let req = crate::keys::ListRequest::parse(&config, args).map_err(flag)?;
     let store = open_store(&config)?;
-    let page = crate::keys::list(store.as_ref(), &config, &req).await?;
+    let page = crate::keys::list(store.as_ref(), &config, &req)
+        .await
+        .map_err(flag)?;
     if json {
         return Ok(
             serde_json::to_string_pretty(&crate::admin::list_json(&page)).expect("JSON serializes"),

@@ -657,10 +657,10 @@ async fn keys_list_prints_a_table_and_json_from_the_command_line() {
         assert!(out.ends_with("0 key(s); end of the listing\n"), "{out}");
 
         for (flags, named) in [
-            (vec!["--cursor", "not-a-cursor"], "invalid cursor"),
-            (vec!["--state", "stuck"], "invalid state"),
-            (vec!["--limit", "5000"], "invalid limit"),
-            (vec!["--older-than", "soon"], "invalid older_than"),
+            (vec!["--cursor", "not-a-cursor"], "invalid --cursor"),
+            (vec!["--state", "stuck"], "invalid --state"),
+            (vec!["--limit", "5000"], "invalid --limit"),
+            (vec!["--older-than", "soon"], "invalid --older-than"),
         ] {
             let (code, out, err) = idemgate(args(&config, &flags)).await;
             assert_eq!(code, 1, "{flags:?}: {out}{err}");
