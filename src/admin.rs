@@ -11,6 +11,9 @@
 //! - `GET /v1/keys?scope=S&key=K[&route=R]`: the row as JSON (404 when absent). `S` is the
 //!   scope value the client sent; `R` chooses among routes whose scopes share that value
 //!   (400 when it is ambiguous without it; see `keys.rs`).
+//! - `GET /v1/keys[?state=&route=&scope=&older_than=&limit=&cursor=]` (no `key`): one page
+//!   of the keys, in `(scope, key)` order, with the cursor of the next (see `keys::list`); a
+//!   parameter that is not valid is 400 `invalid-parameter`, naming it.
 //! - `DELETE /v1/keys?scope=S&key=K[&route=R][&force=true]`: deletes the row (releases a held
 //!   or stuck key), 204, or 404 when absent. A key in flight under a live lease is refused
 //!   with 409 `key-in-flight` unless forced; a forced delete of one is logged and counted
@@ -157,6 +160,9 @@ async fn handle(req: Request<Incoming>, gateway: &Gateway) -> Response<Body> {
                 return r;
             }
             let query = req.uri().query().unwrap_or("");
+            if m == Method::GET && query_param(query, "key").is_none() {
+                return list(store, &config, query).await;
+            }
             let (Some(scope), Some(key)) = (query_param(query, "scope"), query_param(query, "key"))
             else {
                 return json(
@@ -251,6 +257,40 @@ fn not_ready(e: &crate::store::StoreError) -> Response<Body> {
     )
 }
 
+/// `GET /v1/keys` without `key`: one page of the listing (see `keys::list`), as
+/// `{"keys": [...], "next_cursor": ...}`; a parameter that is not valid is 400
+/// `invalid-parameter`, whose detail names it.
+async fn list(
+    store: &dyn crate::store::Store,
+    config: &crate::config::Config,
+    query: &str,
+) -> Response<Body> {
+    let args = crate::keys::ListArgs {
+        state: query_param(query, "state"),
+        route: query_param(query, "route"),
+        scope: query_param(query, "scope"),
+        older_than: query_param(query, "older_than"),
+        limit: query_param(query, "limit"),
+        cursor: query_param(query, "cursor"),
+    };
+    let listed = match crate::keys::ListRequest::parse(config, args) {
+        Ok(req) => crate::keys::list(store, config, &req).await,
+        Err(e) => Err(e),
+    };
+    match listed {
+        Ok(page) => json(StatusCode::OK, list_json(&page)),
+        Err(e) => lookup_error(&e),
+    }
+}
+
+/// A page of a listing as JSON (CLI and HTTP alike): each key as [`key_json`] shows it.
+pub fn list_json(page: &crate::keys::Listed) -> serde_json::Value {
+    serde_json::json!({
+        "keys": page.keys.iter().map(key_json).collect::<Vec<_>>(),
+        "next_cursor": page.next_cursor,
+    })
+}
+
 /// An operator's lookup that found no single key, as an answer.
 fn lookup_error(e: &LookupError) -> Response<Body> {
     let status = match e {
@@ -264,6 +304,17 @@ fn lookup_error(e: &LookupError) -> Response<Body> {
                 detail: format!(
                     "Key '{key}' is in flight under a live lease: deleting it lets a retry forward again while the first attempt may still complete (a possible double). Add force=true to delete it anyway."
                 ),
+                retry_after: None,
+                request_id: None,
+            }
+            .into_response();
+        }
+        LookupError::Invalid { param, why } => {
+            return crate::problem::Problem {
+                status: StatusCode::BAD_REQUEST,
+                slug: "invalid-parameter",
+                title: "Invalid parameter",
+                detail: format!("Query parameter '{param}': {why}."),
                 retry_after: None,
                 request_id: None,
             }

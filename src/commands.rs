@@ -11,6 +11,8 @@ use crate::config::{
 };
 use crate::store::{Store, StoreError};
 
+pub use crate::keys::ListArgs;
+
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {
     #[error("{0}")]
@@ -247,6 +249,122 @@ pub async fn keys_show(
     Ok(serde_json::to_string_pretty(&crate::admin::key_json(&info)).expect("JSON serializes"))
 }
 
+/// `idemgate keys list`: one page of the keys `args` asks for, as a table (key id, scope,
+/// key, route, state, age, lease left, then the cursor of the next page) or, with `json`, as
+/// `{"keys": [...], "next_cursor": ...}` with each key as `keys show` prints it.
+pub async fn keys_list(
+    path: &Path,
+    args: crate::keys::ListArgs,
+    json: bool,
+) -> Result<String, CommandError> {
+    // A parameter is named as its flag (`--older-than`), not as the API's `older_than`.
+    let flag = |e: crate::keys::LookupError| match e {
+        crate::keys::LookupError::Invalid { param, why } => {
+            CommandError::Other(format!("invalid --{}: {why}", param.replace('_', "-")))
+        }
+        e => CommandError::Lookup(e),
+    };
+    let config = Config::load(path)?;
+    let req = crate::keys::ListRequest::parse(&config, args).map_err(flag)?;
+    let store = open_store(&config)?;
+    let page = crate::keys::list(store.as_ref(), &config, &req)
+        .await
+        .map_err(flag)?;
+    if json {
+        return Ok(
+            serde_json::to_string_pretty(&crate::admin::list_json(&page)).expect("JSON serializes"),
+        );
+    }
+    Ok(keys_table(&page))
+}
+
+/// The terminal's view of a page: one aligned line per key, then where the next page starts.
+fn keys_table(page: &crate::keys::Listed) -> String {
+    let head = [
+        "KEY ID",
+        "SCOPE",
+        "KEY",
+        "ROUTE",
+        "STATE",
+        "AGE",
+        "LEASE LEFT",
+    ];
+    let rows: Vec<[String; 7]> = page
+        .keys
+        .iter()
+        .map(|k| {
+            [
+                crate::key::KeyId::of(&k.scope, &k.key).as_str().to_string(),
+                printable(&k.scope),
+                printable(&k.key),
+                k.route.clone(),
+                k.state.clone(),
+                fmt_age(k.age_ms),
+                match k.lease_left_ms {
+                    None => "-".to_string(),
+                    Some(ms) if ms <= 0 => "ended".to_string(),
+                    Some(ms) => fmt_age(ms),
+                },
+            ]
+        })
+        .collect();
+    let mut widths = head.map(str::len);
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
+            if i + 1 == cells.len() {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.push('\n');
+        out
+    };
+    let mut out = line(head.to_vec());
+    for row in &rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out.push_str(&match &page.next_cursor {
+        Some(c) => format!(
+            "{} key(s); more may follow: --cursor {c}\n",
+            page.keys.len()
+        ),
+        None => format!("{} key(s); end of the listing\n", page.keys.len()),
+    });
+    out
+}
+
+/// A scope or key for one table cell: control characters shown as `?`.
+fn printable(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { '?' } else { c })
+        .collect()
+}
+
+/// A duration for a person: its two largest units (`3d4h`, `2h5m`, `5m3s`, `12s`, `450ms`).
+fn fmt_age(ms: i64) -> String {
+    let ms = ms.max(0);
+    let s = ms / 1000;
+    let (d, h, m, sec) = (s / 86_400, s / 3600 % 24, s / 60 % 60, s % 60);
+    if d > 0 {
+        format!("{d}d{h}h")
+    } else if h > 0 {
+        format!("{h}h{m}m")
+    } else if m > 0 {
+        format!("{m}m{sec}s")
+    } else if s > 0 {
+        format!("{s}s")
+    } else {
+        format!("{ms}ms")
+    }
+}
+
 /// `idemgate keys delete`: deletes the row; one in flight under a live lease only with
 /// `force` (exit 1 otherwise).
 pub async fn keys_delete(
@@ -407,6 +525,20 @@ async fn get_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ages_are_shown_in_their_two_largest_units() {
+        for (ms, shown) in [
+            (450, "450ms"),
+            (12_345, "12s"),
+            (303_000, "5m3s"),
+            (7_500_000, "2h5m"),
+            (273_600_000, "3d4h"),
+            (-5, "0ms"),
+        ] {
+            assert_eq!(fmt_age(ms), shown);
+        }
+    }
 
     #[test]
     fn check_prints_values_as_the_config_spells_them() {

@@ -92,6 +92,34 @@ enum KeysCommand {
         #[arg(long)]
         route: Option<String>,
     },
+    /// List stored keys, a page at a time, in (scope, key) order: the keys that need a
+    /// decision (`--state unknown`), or any others. With the embedded store while `serve`
+    /// runs, ask its admin API instead (`GET /v1/keys` on admin.listen).
+    List {
+        #[arg(long, short)]
+        config: PathBuf,
+        /// Only keys in this state: in_flight, completed, not_replayable or unknown.
+        #[arg(long)]
+        state: Option<String>,
+        /// Only keys of this route.
+        #[arg(long)]
+        route: Option<String>,
+        /// Only keys of this scope value (as for `keys show`).
+        #[arg(long)]
+        scope: Option<String>,
+        /// Only keys created at least this long ago (10m, 1h, ...).
+        #[arg(long)]
+        older_than: Option<String>,
+        /// The most keys on this page (1 to 1000, default 50).
+        #[arg(long)]
+        limit: Option<String>,
+        /// Where to go on from: the cursor the previous page printed.
+        #[arg(long)]
+        cursor: Option<String>,
+        /// Print one JSON object ({"keys": [...], "next_cursor": ...}) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete one key's row (releases a held or stuck key). A key in flight under a live
     /// lease is refused (exit 1) unless --force.
     Delete {
@@ -223,6 +251,31 @@ fn main() -> ExitCode {
                 } => {
                     let shown = commands::keys_show(&config, &scope, &key, route.as_deref());
                     println!("{}", shown.await?);
+                    Ok(())
+                }
+                KeysCommand::List {
+                    config,
+                    state,
+                    route,
+                    scope,
+                    older_than,
+                    limit,
+                    cursor,
+                    json,
+                } => {
+                    let args = commands::ListArgs {
+                        state,
+                        route,
+                        scope,
+                        older_than,
+                        limit,
+                        cursor,
+                    };
+                    let listed = commands::keys_list(&config, args, json).await?;
+                    print!("{listed}");
+                    if json {
+                        println!();
+                    }
                     Ok(())
                 }
                 KeysCommand::Delete {

@@ -301,6 +301,75 @@ pub struct KeyInfo {
     pub lease_expires_at: Option<String>,
     pub expires_at: String,
     pub fingerprint_hex: String,
+    /// Milliseconds since `created_at`, by the database clock when read.
+    pub age_ms: i64,
+    /// Milliseconds left of the lease (negative: ended), by the database clock when read;
+    /// `None` when the row holds no lease (not in flight).
+    pub lease_left_ms: Option<i64>,
+}
+
+/// The most keys one page of a listing returns ([`ListQuery::limit`]).
+pub const LIST_LIMIT_MAX: usize = 1000;
+/// How many rows a page may read per key it may return ([`ListQuery::examine`]).
+pub const LIST_EXAMINE_PER_KEY: usize = 10;
+/// The most rows one page of a listing reads, whatever its filters match.
+pub const LIST_EXAMINE_MAX: usize = 10_000;
+
+/// One page of an operator's listing of keys (`idemgate keys list`, `GET /v1/keys`).
+///
+/// The page walks the primary key `(scope, key)` in order from just after `after` (the
+/// start when `None`), only inside `scope` when given, reads at most `examine` rows, and
+/// returns those of them that match the other filters, at most `limit`. Filters other than
+/// the scope are checked on the rows read: no other index is used or needed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListQuery {
+    /// The last `(scope, key)` of the previous page.
+    pub after: Option<(String, String)>,
+    /// One stored scope (`header:acct_9`), walked as a prefix of the primary key.
+    pub scope: Option<String>,
+    pub state: Option<String>,
+    pub route: Option<String>,
+    /// Only keys created at least this long ago (database clock).
+    pub older_than: Option<Duration>,
+    pub limit: usize,
+    pub examine: usize,
+}
+
+/// What one page of a listing found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListPage {
+    /// The rows that match, in primary-key order.
+    pub keys: Vec<KeyInfo>,
+    /// How many rows the page read.
+    pub examined: usize,
+    /// Where the next page starts (after this `(scope, key)`); `None`: the walk reached the
+    /// end (of the table, or of the scope).
+    pub next: Option<(String, String)>,
+}
+
+impl ListPage {
+    /// Where the next page starts, from what this one did: it read `examined` rows, the last
+    /// of them `last_read`, and returned `matched` keys, the last of them `last_match`
+    /// (`last_read` itself when `last_match_is_last_read`). A page that returned `limit`
+    /// keys goes on after its last key (rows it read past that key are read again), unless
+    /// that key was the last row there is; a page that read `examine` rows goes on after the
+    /// last of them; any other page read to the end.
+    pub(crate) fn next_after(
+        q: &ListQuery,
+        examined: usize,
+        last_match: Option<(String, String)>,
+        last_read: Option<(String, String)>,
+        matched: usize,
+        last_match_is_last_read: bool,
+    ) -> Option<(String, String)> {
+        if matched >= q.limit && !(last_match_is_last_read && examined < q.examine) {
+            last_match
+        } else if matched < q.limit && examined >= q.examine {
+            last_read
+        } else {
+            None
+        }
+    }
 }
 
 /// What an operator's delete did (docs/contract.md §8.2).
@@ -364,6 +433,10 @@ pub trait Store: Send + Sync + 'static {
         scope: &'a str,
         key: &'a str,
     ) -> BoxFuture<'a, Result<Option<KeyInfo>, StoreError>>;
+
+    /// One page of an operator's listing (see [`ListQuery`]): a walk of the primary key that
+    /// reads at most `q.examine` rows.
+    fn list<'a>(&'a self, q: &'a ListQuery) -> BoxFuture<'a, Result<ListPage, StoreError>>;
 
     /// Deletes one row (operator release), in one atomic step: a row in flight under a
     /// live lease only when `force`, so a delete never races a lease into a double unasked.
@@ -447,6 +520,50 @@ mod tests {
             lease_remaining_ms: 1500,
             expires_in_ms: 60_000,
         }
+    }
+
+    fn at(key: &str) -> Option<(String, String)> {
+        Some(("s".to_string(), key.to_string()))
+    }
+
+    #[test]
+    fn a_page_goes_on_after_its_last_key_or_its_last_row_or_ends() {
+        let q = ListQuery {
+            limit: 2,
+            examine: 20,
+            ..Default::default()
+        };
+        // Full of keys before its budget: after the last key, even with rows read past it.
+        assert_eq!(
+            ListPage::next_after(&q, 20, at("b"), at("z"), 2, false),
+            at("b")
+        );
+        assert_eq!(
+            ListPage::next_after(&q, 7, at("b"), at("g"), 2, false),
+            at("b")
+        );
+        // Full, and its last key was the last row there is: the end.
+        assert_eq!(ListPage::next_after(&q, 7, at("g"), at("g"), 2, true), None);
+        // Full, on the last row of a spent budget: there may be more.
+        assert_eq!(
+            ListPage::next_after(&q, 20, at("z"), at("z"), 2, true),
+            at("z")
+        );
+        // Budget spent with fewer keys (or none): after the last row read.
+        assert_eq!(
+            ListPage::next_after(&q, 20, at("c"), at("z"), 1, false),
+            at("z")
+        );
+        assert_eq!(
+            ListPage::next_after(&q, 20, None, at("z"), 0, false),
+            at("z")
+        );
+        // Fewer rows than the budget, fewer keys than the limit: the walk ended.
+        assert_eq!(
+            ListPage::next_after(&q, 19, at("c"), at("y"), 1, false),
+            None
+        );
+        assert_eq!(ListPage::next_after(&q, 0, None, None, 0, false), None);
     }
 
     #[test]

@@ -28,10 +28,9 @@ use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
 use super::{
     Announce, BoxFuture, Claim, ClaimRequest, Deleted, ExistingRow, FinishRow, GcRun, KeyInfo,
-    LeaseToken, Outcome, Slot, Store, StoreError,
+    LeaseToken, ListPage, ListQuery, Outcome, Slot, Store, StoreError,
 };
 use crate::config::SqliteConfig;
-use crate::fingerprint::hex;
 use crate::key::KeyId;
 use crate::metrics::StoreMetrics;
 
@@ -109,8 +108,8 @@ impl SqliteStore {
             return Err(StoreError::Connect(format!(
                 "another idemgate instance is using {} (it holds {}); the embedded store serves \
                  one instance: stop the other one, or use the Postgres store for several. While \
-                 `serve` runs, show or delete keys through its admin API (`GET` or `DELETE \
-                 /v1/keys?scope=...&key=...` on `admin.listen`); it collects expired keys \
+                 `serve` runs, list, show or delete keys through its admin API (`GET /v1/keys`, \
+                 `GET` or `DELETE /v1/keys?scope=...&key=...` on `admin.listen`); it collects expired keys \
                  itself every `store.gc.interval`",
                 cfg.path.display(),
                 lock_path.display()
@@ -396,43 +395,23 @@ impl Store for SqliteStore {
         let (s, k) = (scope.to_string(), key.to_string());
         Box::pin(async move {
             self.call("inspect", move |tx| {
-                let ts = |col: &str| {
-                    format!("strftime('%Y-%m-%d %H:%M:%f+00', {col} / 1000.0, 'unixepoch')")
-                };
                 tx.query_row(
                     &format!(
-                        "SELECT scope, key, route, state, status, attempts, length(body),
-                                {}, {}, {}, {}, fingerprint
-                           FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
-                        ts("created_at"),
-                        ts("completed_at"),
-                        ts("lease_expires_at"),
-                        ts("expires_at")
+                        "SELECT {} FROM idemgate_keys WHERE scope = ?1 AND key = ?2",
+                        list::key_info_columns("length(body)", NOW)
                     ),
                     params![s, k],
-                    |r| {
-                        Ok(KeyInfo {
-                            scope: r.get(0)?,
-                            key: r.get(1)?,
-                            route: r.get(2)?,
-                            state: r.get(3)?,
-                            status: r
-                                .get::<_, Option<i64>>(4)?
-                                .and_then(|s| u16::try_from(s).ok()),
-                            attempts: r.get(5)?,
-                            body_bytes: r.get::<_, Option<i64>>(6)?.map(|n| n as usize),
-                            created_at: r.get(7)?,
-                            completed_at: r.get(8)?,
-                            lease_expires_at: r.get(9)?,
-                            expires_at: r.get(10)?,
-                            fingerprint_hex: hex(&r.get::<_, Vec<u8>>(11)?),
-                        })
-                    },
+                    list::key_info,
                 )
                 .optional()
             })
             .await
         })
+    }
+
+    fn list<'a>(&'a self, q: &'a ListQuery) -> BoxFuture<'a, Result<ListPage, StoreError>> {
+        let q = q.clone();
+        Box::pin(async move { self.call("list", move |tx| list::page(tx, &q, NOW)).await })
     }
 
     fn delete<'a>(
@@ -611,5 +590,6 @@ impl Store for SqliteStore {
     }
 }
 
+mod list;
 #[cfg(test)]
 mod tests;

@@ -20,6 +20,7 @@ mod history;
 mod holes;
 mod hostile_clients;
 mod instances;
+mod keys_list;
 mod lab;
 mod model;
 mod online_migration;

@@ -75,6 +75,7 @@ mod batched;
 pub mod cancel;
 mod claim;
 mod connect;
+mod list;
 pub mod listener;
 mod migrate;
 mod session;
@@ -89,11 +90,10 @@ use tokio_postgres::types::Type;
 use tokio_postgres_rustls::MakeRustlsConnect;
 
 use super::{
-    Announce, BoxFuture, Claim, ClaimRequest, Deleted, GcRun, KeyInfo, LeaseToken, OnlineRun,
-    Outcome, Slot, Store, StoreError,
+    Announce, BoxFuture, Claim, ClaimRequest, Deleted, GcRun, KeyInfo, LeaseToken, ListPage,
+    ListQuery, OnlineRun, Outcome, Slot, Store, StoreError,
 };
 use crate::config::{PgTlsMode, PostgresConfig};
-use crate::fingerprint::hex;
 use crate::key::KeyId;
 use crate::metrics::StoreMetrics;
 
@@ -104,7 +104,9 @@ use migrate::BACKFILL_GC_AFTER_SQL;
 pub use migrate::MIGRATIONS;
 use session::*;
 use statements::*;
-pub use statements::{CHANNEL, CLAIM_NEW_SQL, CLAIM_NEW_TYPES, FINISH_SQL, FINISH_TYPES};
+pub use statements::{
+    CHANNEL, CLAIM_NEW_SQL, CLAIM_NEW_TYPES, FINISH_SQL, FINISH_TYPES, LIST_TYPES, list_sql,
+};
 
 pub struct PgStore {
     /// What a statement on a pooled connection needs; shared with the batch dispatchers.
@@ -350,23 +352,12 @@ impl Store for PgStore {
                         .await
                 })
                 .await?;
-            Ok(row.map(|r| KeyInfo {
-                scope: r.get(0),
-                key: r.get(1),
-                route: r.get(2),
-                state: r.get(3),
-                status: r
-                    .get::<_, Option<i32>>(4)
-                    .and_then(|s| u16::try_from(s).ok()),
-                attempts: r.get(5),
-                body_bytes: r.get::<_, Option<i32>>(6).map(|n| n as usize),
-                created_at: r.get(7),
-                completed_at: r.get(8),
-                lease_expires_at: r.get(9),
-                expires_at: r.get(10),
-                fingerprint_hex: hex(r.get::<_, &[u8]>(11)),
-            }))
+            Ok(row.as_ref().map(list::key_info))
         })
+    }
+
+    fn list<'a>(&'a self, q: &'a ListQuery) -> BoxFuture<'a, Result<ListPage, StoreError>> {
+        Box::pin(list::page(&self.db, q))
     }
 
     fn delete<'a>(

@@ -273,9 +273,75 @@ SELECT (SELECT max(version) FROM idemgate_migrations), current_setting('synchron
 pub(super) const INSPECT_SQL: &str = "
 SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
        created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
-       fingerprint
+       fingerprint,
+       (extract(epoch FROM now() - created_at) * 1000)::bigint AS age_ms,
+       (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms
   FROM idemgate_keys WHERE scope = $1 AND key = $2";
 pub(super) const INSPECT_TYPES: &[Type] = &[Type::TEXT, Type::TEXT];
+
+/// One page of an operator's listing (`Store::list`): a walk of the primary key in order
+/// (`(scope, key) > ($1, $2)`, within one scope when `$3` is given), at most `$8` rows read
+/// (`LIMIT`, so the walk stops there whatever the filters match); the filters on state
+/// (`$4`), route (`$5`) and age (`$6` ms) are checked on the rows read, and the matches are
+/// returned up to `$7` of them, with the last row read (`last`) for the page's cursor.
+/// `after` and `scope` choose which of the walk's conditions are written, so that the first
+/// page and an unscoped walk carry no condition that would keep the planner from the
+/// primary key's order; the statement is sent unnamed (planned for its values).
+pub fn list_sql(after: bool, scope: bool) -> String {
+    let mut conditions: Vec<&str> = Vec::new();
+    if after {
+        conditions.push("(scope, key) > ($1, $2)");
+    }
+    if scope {
+        conditions.push("scope = $3");
+    }
+    let walk = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", conditions.join(" AND "))
+    };
+    format!(
+        "
+WITH walked AS (
+    SELECT scope, key, route, state, status, attempts, length(body) AS body_bytes,
+           created_at, completed_at, lease_expires_at, expires_at, fingerprint,
+           ($4::text IS NULL OR state = $4)
+           AND ($5::text IS NULL OR route = $5)
+           AND ($6::bigint IS NULL OR created_at <= now() - $6::bigint * interval '1 millisecond')
+               AS hit
+      FROM idemgate_keys
+     {walk}
+     ORDER BY scope, key
+     LIMIT $8
+),
+ranked AS (
+    SELECT w.*,
+           count(*) FILTER (WHERE hit) OVER (ORDER BY scope, key ROWS UNBOUNDED PRECEDING) AS nth,
+           row_number() OVER (ORDER BY scope, key) AS n,
+           count(*) OVER () AS total
+      FROM walked w
+)
+SELECT scope, key, route, state, status, attempts, body_bytes,
+       created_at::text, completed_at::text, lease_expires_at::text, expires_at::text,
+       fingerprint,
+       (extract(epoch FROM now() - created_at) * 1000)::bigint AS age_ms,
+       (extract(epoch FROM lease_expires_at - now()) * 1000)::bigint AS lease_left_ms,
+       hit AND nth <= $7 AS returned, n = total AS last, total
+  FROM ranked
+ WHERE (hit AND nth <= $7) OR n = total
+ ORDER BY scope, key"
+    )
+}
+pub const LIST_TYPES: &[Type] = &[
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::INT8,
+    Type::INT8,
+    Type::INT8,
+];
 
 /// The advisory lock that lets one instance at a time collect expired rows.
 pub(super) const GC_LOCK: i64 = 0x1de0_6a7e_0002;
