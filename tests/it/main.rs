@@ -17,6 +17,7 @@ mod flow;
 mod guarantees;
 mod health;
 mod history;
+mod history_fence;
 mod holes;
 mod hostile_clients;
 mod instances;
