@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn row(state: &str) -> ExistingRow<'_> {
