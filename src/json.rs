@@ -221,7 +221,7 @@ fn text_of<'t>(body: &'t str, decoded: &'t str, t: Text) -> &'t str {
 impl Drop for Json<'_> {
     /// Its buffers are kept for the next document (`spare.rs`).
     fn drop(&mut self) {
-        spare::keep(|kept| {
+        spare::keep(self.body.len(), |kept| {
             kept.items = std::mem::take(&mut self.items);
             kept.members = std::mem::take(&mut self.members);
             kept.decoded = std::mem::take(&mut self.decoded).into_bytes();

@@ -43,8 +43,16 @@ impl Buffers {
 
 static SPARE: Mutex<Option<Buffers>> = Mutex::new(None);
 
-/// The kept buffers, or new ones.
-pub(super) fn take() -> Buffers {
+/// Bodies from this size on use the kept buffers. A smaller body's document is a few small
+/// blocks that the allocator's per-thread caches serve at once, and the kept set's lock
+/// would be one more line that every serving core writes at every keyed request.
+const FROM: usize = 64 * 1024;
+
+/// The kept buffers for a document of a body of `len` bytes, or new ones.
+pub(super) fn take(len: usize) -> Buffers {
+    if len < FROM {
+        return Buffers::default();
+    }
     match SPARE.try_lock() {
         Ok(mut spare) => spare.take().unwrap_or_default(),
         Err(_) => Buffers::default(),
@@ -53,7 +61,11 @@ pub(super) fn take() -> Buffers {
 
 /// Gives buffers back: `give` moves them into the kept set (emptied here), which is dropped
 /// if it gets larger than [`KEPT`].
-pub(super) fn keep(give: impl FnOnce(&mut Buffers)) {
+/// Only the buffers of a body of [`FROM`] bytes or more (`len`) are kept.
+pub(super) fn keep(len: usize, give: impl FnOnce(&mut Buffers)) {
+    if len < FROM {
+        return;
+    }
     let Ok(mut spare) = SPARE.try_lock() else {
         return;
     };

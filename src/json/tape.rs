@@ -54,7 +54,7 @@ struct Frame {
 impl<'a> Tape<'a> {
     /// A document of `body`, built in the buffers of one read before (`spare.rs`).
     pub fn new(body: &'a str) -> Tape<'a> {
-        let spare = spare::take();
+        let spare = spare::take(body.len());
         Tape {
             body,
             decoded: spare.decoded,
@@ -71,7 +71,7 @@ impl<'a> Tape<'a> {
 
     /// The document; the buffers only the building used are kept for the next.
     pub fn into_json(mut self, root: Node) -> Json<'a> {
-        spare::keep(|kept| {
+        spare::keep(self.body.len(), |kept| {
             kept.open_items = std::mem::take(&mut self.open_items);
             kept.open_members = std::mem::take(&mut self.open_members);
             kept.order = std::mem::take(&mut self.order);
@@ -94,7 +94,7 @@ impl<'a> Tape<'a> {
 
     /// Keeps the buffers of a document that is not to be (a body refused) for the next.
     pub fn discard(mut self) {
-        spare::keep(|kept| {
+        spare::keep(self.body.len(), |kept| {
             kept.items = std::mem::take(&mut self.items);
             kept.members = std::mem::take(&mut self.members);
             kept.decoded = std::mem::take(&mut self.decoded);
