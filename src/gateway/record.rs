@@ -242,7 +242,7 @@ impl Claimed {
                     return Ok(false);
                 }
                 Err(e) => {
-                    tracing::warn!(route = %self.request.route().name, attempt, error = %e, "recording the outcome failed");
+                    tracing::warn!(route = %self.request.route().name, key = %self.request.id, attempt, error = %e, "recording the outcome failed");
                     last = Some(e);
                     tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
                 }

@@ -34,6 +34,13 @@
 //! - `RowLock`: when the next request reaches an upstream, a side session locks that key's
 //!   row (`SELECT ... FOR UPDATE`) for up to 4s, so its completion (alone or in a batch) and
 //!   any takeover wait.
+//! - `BatchLock`: a batch of completions meets a locked row. Instance 0 has one pooled
+//!   connection (instance 1 has eight); the next three requests to reach its upstream (D, A,
+//!   B) are held, a side session locks D's and A's rows, D is answered first (its completion
+//!   takes the connection and waits on the lock) and A and B 300ms later: their completions
+//!   queue behind D's into one batch, which waits on A's lock until its statement times out.
+//!   It counts only if instance 0's `/metrics` shows a completion batch of several keys
+//!   meanwhile.
 //! - `Kill`: SIGKILL of an instance, restarted after a pause.
 //!
 //! After the schedule, every event gets one more request on each instance (a replay), the
@@ -55,6 +62,9 @@
 //!   execution (the last claimant's: each claim forwards once, in claim order, since an
 //!   instance is only paused after its request reached the upstream), and every stale
 //!   completion of a `Pause`, run after the takeover, left the row in flight;
+//! - (e) no shared fate: every "recording the outcome failed" line (the statement failed, not
+//!   the wait for a connection) names a key whose row a side session locked, or falls within
+//!   3s of a freeze or a pause; a batch that failed every key for one locked row fails here;
 //! - and, as in `history.rs`: no event lost, every 2xx names an execution of its event.
 //!
 //! It cannot pass vacuously: per seed, a minimum of delivered events and every fault kind
@@ -106,6 +116,9 @@ const ACCOUNT: &str = "acct";
 /// millisecond and by when each is read (the gateway logs the takeover, then forwards):
 /// the ordering check of (b) allows this much.
 const LOG_CLOCK_SLACK_MS: i64 = 20;
+/// A statement caught by a freeze or a pause fails up to its bounds (1s statement, up to
+/// 900ms for a connection) after the fault ends, and may have been sent just before it began.
+const FAULT_SLACK_MS: i64 = 3000;
 
 struct Rng(u64);
 
@@ -129,24 +142,42 @@ enum Kind {
     PauseStall,
     FreezePg,
     RowLock,
+    BatchLock,
     Kill,
 }
 
-const KINDS: [Kind; 5] = [
+const KINDS: [Kind; 6] = [
     Kind::Pause,
     Kind::PauseStall,
     Kind::FreezePg,
     Kind::RowLock,
+    Kind::BatchLock,
     Kind::Kill,
 ];
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
-    Pause { instance: usize },
-    PauseStall { instance: usize },
-    FreezePg { ms: u64 },
-    RowLock { instance: usize, ms: u64 },
-    Kill { instance: usize, down_ms: u64 },
+    Pause {
+        instance: usize,
+    },
+    PauseStall {
+        instance: usize,
+    },
+    FreezePg {
+        ms: u64,
+    },
+    RowLock {
+        instance: usize,
+        ms: u64,
+    },
+    /// Always on instance 0, the one with a single pooled connection.
+    BatchLock {
+        ms: u64,
+    },
+    Kill {
+        instance: usize,
+        down_ms: u64,
+    },
 }
 
 impl Fault {
@@ -156,6 +187,7 @@ impl Fault {
             Fault::PauseStall { .. } => Kind::PauseStall,
             Fault::FreezePg { .. } => Kind::FreezePg,
             Fault::RowLock { .. } => Kind::RowLock,
+            Fault::BatchLock { .. } => Kind::BatchLock,
             Fault::Kill { .. } => Kind::Kill,
         }
     }
@@ -170,6 +202,7 @@ fn schedule(seed: u64) -> Vec<(u64, Fault)> {
         Kind::PauseStall,
         Kind::FreezePg,
         Kind::RowLock,
+        Kind::BatchLock,
         Kind::Kill,
     ];
     for i in (1..kinds.len()).rev() {
@@ -189,6 +222,9 @@ fn schedule(seed: u64) -> Vec<(u64, Fault)> {
                 Kind::RowLock => Fault::RowLock {
                     instance,
                     ms: rng.range(500, 4000),
+                },
+                Kind::BatchLock => Fault::BatchLock {
+                    ms: rng.range(3500, 4500),
                 },
                 Kind::Kill => Fault::Kill {
                     instance,
@@ -240,6 +276,12 @@ enum Arm {
     Lock {
         told: oneshot::Sender<String>,
         go: oneshot::Receiver<()>,
+    },
+    /// The next `left` requests: each tells the lane its event and where to say `go`, and
+    /// is answered when the lane says so.
+    Hold {
+        told: tokio::sync::mpsc::UnboundedSender<(String, oneshot::Sender<()>)>,
+        left: usize,
     },
 }
 
@@ -349,6 +391,13 @@ async fn execute(
         let slot = &mut arms[instance];
         match slot {
             Arm::Takeover { event: e, .. } if *e != event => Arm::None,
+            Arm::Hold { told, left } if *left > 1 => {
+                *left -= 1;
+                Arm::Hold {
+                    told: told.clone(),
+                    left: 1,
+                }
+            }
             _ => std::mem::replace(slot, Arm::None),
         }
     };
@@ -373,6 +422,11 @@ async fn execute(
         Arm::Lock { told, go } => {
             let _ = told.send(event.clone());
             let _ = tokio::time::timeout(Duration::from_secs(2), go).await;
+        }
+        Arm::Hold { told, .. } => {
+            let (go, went) = oneshot::channel();
+            let _ = told.send((event.clone(), go));
+            let _ = tokio::time::timeout(Duration::from_secs(5), went).await;
         }
     }
     Ok(Response::builder()
@@ -524,6 +578,10 @@ struct Faults {
     /// Per `Pause`: the event, whether the paused instance's completion ran in the database
     /// after the takeover, and the row's state right after it ran.
     stale: Vec<(String, bool, String)>,
+    /// `(from, to)` of each `FreezePg`, ms since t0.
+    freezes: Vec<(u64, u64)>,
+    /// The events whose rows a side session locked (`RowLock`, `BatchLock`).
+    locked: Vec<String>,
     notes: Vec<String>,
 }
 
@@ -553,12 +611,15 @@ impl Lane {
                 Fault::Pause { instance } => self.pause_completing(instance).await,
                 Fault::PauseStall { instance } => self.pause(instance, LEASE_MS + 1000).await,
                 Fault::FreezePg { ms } => {
+                    let from = self.now();
                     let frozen = self.cluster.frozen();
                     tokio::time::sleep(Duration::from_millis(ms)).await;
                     drop(frozen);
+                    self.faults.freezes.push((from, self.now()));
                     true
                 }
                 Fault::RowLock { instance, ms } => self.row_lock(instance, ms).await,
+                Fault::BatchLock { ms } => self.batch_lock(ms).await,
                 Fault::Kill { instance, down_ms } => {
                     self.gws[instance].kill();
                     tokio::time::sleep(Duration::from_millis(down_ms)).await;
@@ -658,7 +719,7 @@ impl Lane {
             return false;
         };
         let pids = self.backends(&side, instance).await;
-        let sessions = Stopped::stop(&pids);
+        let sessions = Stopped::stop_present(&pids);
         let _ = go.send(());
         tokio::time::sleep(Duration::from_millis(300)).await;
         let stopped = self.stop(instance);
@@ -737,6 +798,7 @@ impl Lane {
         .await;
         let _ = go.send(());
         let ok = matches!(&locked, Ok(Ok(rows)) if rows.len() == 1);
+        self.faults.locked.push(event.clone());
         if ok {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         } else {
@@ -746,6 +808,102 @@ impl Lane {
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), side.batch_execute("ROLLBACK")).await;
         ok
+    }
+}
+
+impl Lane {
+    /// Makes a batch of completions meet a locked row on instance 0 (one pooled connection):
+    /// the next three requests to reach its upstream (events D, A, B) are held; a side
+    /// session locks the rows of D and A; D is answered first, so its completion takes the
+    /// only connection and waits on D's lock; A and B are answered 300ms later, and their
+    /// completions (with whatever else comes meanwhile) queue into one batch, which runs when
+    /// D's statement times out and then waits on A's lock until its own statement times out.
+    /// Only A may fail with it: B and the others of the batch must be written (run alone).
+    /// Fires only if instance 0 ran a completion batch of several keys meanwhile.
+    async fn batch_lock(&mut self, ms: u64) -> bool {
+        let before = self.multi_key_completions().await;
+        let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+        self.up.arm(0, Arm::Hold { told, left: 3 });
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut held = Vec::new();
+        while held.len() < 3 {
+            match tokio::time::timeout_at(deadline, heard.recv()).await {
+                Ok(Some(one)) => held.push(one),
+                _ => break,
+            }
+        }
+        if held.len() < 3 {
+            self.up.disarm(0);
+            self.faults.notes.push(format!(
+                "batch lock: {} of 3 requests came to instance 0",
+                held.len()
+            ));
+            return false;
+        }
+        let (b, go_b) = held.pop().unwrap();
+        let (a, go_a) = held.pop().unwrap();
+        let (d, go_d) = held.pop().unwrap();
+        let side = sql(&self.db).await;
+        let locked = tokio::time::timeout(Duration::from_secs(2), async {
+            side.batch_execute("BEGIN").await?;
+            side.query(
+                "SELECT 1 FROM idemgate_keys WHERE key = ANY($1) FOR UPDATE",
+                &[&vec![d.clone(), a.clone()]],
+            )
+            .await
+        })
+        .await;
+        self.faults.locked.extend([d.clone(), a.clone()]);
+        let _ = go_d.send(());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let _ = go_a.send(());
+        let _ = go_b.send(());
+        let ok = matches!(&locked, Ok(Ok(rows)) if rows.len() == 2);
+        if ok {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        } else {
+            self.faults
+                .notes
+                .push(format!("batch lock of {d} and {a}: {locked:?}"));
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), side.batch_execute("ROLLBACK")).await;
+        let batched = self.multi_key_completions().await.saturating_sub(before);
+        if batched == 0 {
+            self.faults.notes.push(format!(
+                "batch lock of {d} and {a} (then {b}): no completion batch of several keys ran"
+            ));
+        }
+        ok && batched > 0
+    }
+
+    /// Completion statements of several keys instance 0 has run, from its `/metrics`
+    /// (`idemgate_store_batch_keys`, op `finish`: all minus those of one key).
+    async fn multi_key_completions(&self) -> u64 {
+        let Some(admin) = self.gws[0].admin else {
+            return 0;
+        };
+        let Ok(reply) = try_send(
+            &client(),
+            Method::GET,
+            &format!("http://{admin}/metrics"),
+            &[],
+            String::new(),
+        )
+        .await
+        else {
+            return 0;
+        };
+        let text = String::from_utf8_lossy(&reply.body).into_owned();
+        let value = |prefix: &str, le: Option<&str>| {
+            text.lines()
+                .filter(|l| l.starts_with(prefix) && l.contains("op=\"finish\""))
+                .filter(|l| le.is_none_or(|le| l.contains(le)))
+                .find_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .unwrap_or(0.0) as u64
+        };
+        let all = value("idemgate_store_batch_keys_count{", None);
+        let one = value("idemgate_store_batch_keys_bucket{", Some("le=\"1.0\""));
+        all.saturating_sub(one)
     }
 }
 
@@ -840,6 +998,18 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
             "statement_timeout: 1s }",
             "statement_timeout: 1s, batch_keys: 8 }",
         );
+        // Instance 0 has one pooled connection, so that a statement waiting on a lock makes
+        // the completions behind it form a batch (`BatchLock`); it waits up to 900ms for it (the
+        // most the 3s lease allows past the upstream timeout and the statement timeout).
+        let yaml = if instance == 0 {
+            yaml.patch(
+                "pool_size: 8, acquire_timeout: 500ms",
+                "pool_size: 1, acquire_timeout: 900ms",
+            )
+        } else {
+            yaml
+        };
+        let yaml = format!("{yaml}admin: {{ listen: 127.0.0.1:0 }}\n");
         gws.push(GatewayProcess::start(&yaml).await);
     }
     let gws: [GatewayProcess; 2] = gws.try_into().ok().unwrap();
@@ -1154,6 +1324,47 @@ fn check(
             ));
             if !involved.contains(event) {
                 involved.push(event.clone());
+            }
+        }
+    }
+
+    // (e) no shared fate: a completion fails only with a fault of its own. Its row was locked,
+    // or the database or its instance was stopped around it. A wait for a connection that
+    // ran out (a queue behind a locked statement) is not a statement's failure.
+    let ids: Vec<(String, &String)> = events
+        .iter()
+        .filter_map(|e| {
+            rows.get(e)
+                .map(|r| (idemgate::key::KeyId::of(&r.scope, e).to_string(), e))
+        })
+        .collect();
+    let near = |t: i64, &(from, to): &(u64, u64)| {
+        t >= from as i64 - FAULT_SLACK_MS && t <= to as i64 + FAULT_SLACK_MS
+    };
+    for line in logs.lines().filter(|l| {
+        l.contains("recording the outcome failed")
+            && !l.contains("timed out waiting for a database connection")
+    }) {
+        let Some(t) = line_epoch_ms(line).map(|t| t - t0_epoch_ms) else {
+            continue;
+        };
+        let Some((_, event)) = ids.iter().find(|(id, _)| line.contains(id.as_str())) else {
+            violations.push(format!("(e) a failed completion names no event: {line}"));
+            continue;
+        };
+        let own = faults.locked.contains(event)
+            || faults.freezes.iter().any(|w| near(t, w))
+            || faults
+                .pauses
+                .iter()
+                .any(|&(_, from, to)| near(t, &(from, to)));
+        if !own {
+            violations.push(format!(
+                "{event}: (e) its completion failed at {t} ms with no lock, freeze or pause of \
+                 its own (the fate of another key of its batch?): {line}"
+            ));
+            if !involved.contains(event) {
+                involved.push((*event).clone());
             }
         }
     }
