@@ -36,9 +36,10 @@
 //!   any takeover wait.
 //! - `BatchLock`: a batch of completions meets a locked row. Instance 0 has one pooled
 //!   connection (instance 1 has eight); the next three requests to reach its upstream (D, A,
-//!   B) are held, a side session locks D's and A's rows, D is answered first (its completion
-//!   takes the connection and waits on the lock) and A and B 300ms later: their completions
-//!   queue behind D's into one batch, which waits on A's lock until its statement times out.
+//!   B) are held, side sessions lock D's and A's rows, D is answered first (its completion
+//!   takes the connection and waits on the lock) and A and B 150ms later: their completions
+//!   queue behind D's into one batch; D's lock ends, and the batch waits on A's lock until
+//!   its statement times out.
 //!   It counts only if instance 0's `/metrics` shows a completion batch of several keys
 //!   meanwhile.
 //! - `Kill`: SIGKILL of an instance, restarted after a pause.
@@ -813,14 +814,18 @@ impl Lane {
 
 impl Lane {
     /// Makes a batch of completions meet a locked row on instance 0 (one pooled connection):
-    /// the next three requests to reach its upstream (events D, A, B) are held; a side
-    /// session locks the rows of D and A; D is answered first, so its completion takes the
-    /// only connection and waits on D's lock; A and B are answered 300ms later, and their
-    /// completions (with whatever else comes meanwhile) queue into one batch, which runs when
-    /// D's statement times out and then waits on A's lock until its own statement times out.
-    /// Only A may fail with it: B and the others of the batch must be written (run alone).
-    /// Fires only if instance 0 ran a completion batch of several keys meanwhile.
+    /// the next three requests to reach its upstream (events D, A, B) are held; side
+    /// sessions lock the rows of D and A; D is answered first, so its completion takes the
+    /// only connection and waits on D's lock; A and B are answered 150ms later, and their
+    /// completions (with whatever else comes meanwhile) queue into one batch; 150ms later
+    /// D's lock ends, D's completion is written, and the batch runs and waits on A's lock
+    /// until its statement times out. Only A may fail with it: B and the others of the batch
+    /// must be written (each alone, after the batch).
+    /// Fires only if instance 0 ran a completion batch of several keys meanwhile. It starts
+    /// [`FAULT_SLACK_MS`] after the fault before, so that nothing else excuses B's failure.
     async fn batch_lock(&mut self, ms: u64) -> bool {
+        // Out of the reach of the fault before, which excuses failed completions near it.
+        tokio::time::sleep(Duration::from_millis(FAULT_SLACK_MS as u64)).await;
         let before = self.multi_key_completions().await;
         let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
         self.up.arm(0, Arm::Hold { told, left: 3 });
@@ -843,30 +848,41 @@ impl Lane {
         let (b, go_b) = held.pop().unwrap();
         let (a, go_a) = held.pop().unwrap();
         let (d, go_d) = held.pop().unwrap();
-        let side = sql(&self.db).await;
-        let locked = tokio::time::timeout(Duration::from_secs(2), async {
-            side.batch_execute("BEGIN").await?;
-            side.query(
-                "SELECT 1 FROM idemgate_keys WHERE key = ANY($1) FOR UPDATE",
-                &[&vec![d.clone(), a.clone()]],
-            )
-            .await
-        })
-        .await;
+        // Two side sessions: D's lock ends as soon as the batch has formed behind it, A's
+        // outlasts the batch's statement and A's own.
+        let (side_d, side_a) = (sql(&self.db).await, sql(&self.db).await);
+        let lock = async |side: &tokio_postgres::Client, event: &str| {
+            let locked = tokio::time::timeout(Duration::from_secs(2), async {
+                side.batch_execute("BEGIN").await?;
+                side.query(
+                    "SELECT 1 FROM idemgate_keys WHERE key = $1 FOR UPDATE",
+                    &[&event],
+                )
+                .await
+            })
+            .await;
+            matches!(&locked, Ok(Ok(rows)) if rows.len() == 1)
+        };
+        let ok = lock(&side_a, &a).await && lock(&side_d, &d).await;
         self.faults.locked.extend([d.clone(), a.clone()]);
         let _ = go_d.send(());
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
         let _ = go_a.send(());
         let _ = go_b.send(());
-        let ok = matches!(&locked, Ok(Ok(rows)) if rows.len() == 2);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let unlock = async |side: &tokio_postgres::Client| {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), side.batch_execute("ROLLBACK")).await;
+        };
+        unlock(&side_d).await;
         if ok {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         } else {
-            self.faults
-                .notes
-                .push(format!("batch lock of {d} and {a}: {locked:?}"));
+            self.faults.notes.push(format!(
+                "batch lock of {d} and {a}: a row could not be locked"
+            ));
         }
-        let _ = tokio::time::timeout(Duration::from_secs(2), side.batch_execute("ROLLBACK")).await;
+        unlock(&side_a).await;
         let batched = self.multi_key_completions().await.saturating_sub(before);
         if batched == 0 {
             self.faults.notes.push(format!(
