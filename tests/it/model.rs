@@ -167,6 +167,10 @@ enum Bug {
     /// The completion marks the row completed in one write and stores the response in a
     /// second one (a completed row holds its response).
     CompleteInTwoWrites,
+    /// CLAIM_SQL takes an in-flight row over only once its `ttl` passed, never when its lease
+    /// ended: a key whose holder died answers 409 until then (a dead holder's key is taken
+    /// over after its lease).
+    LeaseNeverEnds,
 }
 
 /// The row's `state` column.
@@ -602,6 +606,9 @@ impl Protocol {
                 if before == Before::InFlight =>
             {
                 (Decision::Deleted { live_lease: false }, After::Absent)
+            }
+            (Some(Bug::LeaseNeverEnds), Op::Claim { .. }) if before == Before::InFlightExpired => {
+                (Decision::InFlight, After::Same)
             }
             _ => table::decide(before, op),
         }
@@ -1042,6 +1049,7 @@ impl Model for Protocol {
                 Property::always(COMPLETED_HOLDS_RESPONSE, completed_holds_response),
                 Property::always(FENCED_WRITE_CHANGES_NOTHING, fenced_write_changes_nothing),
                 Property::always(DOUBLES_COUNTED, doubles_counted),
+                Property::always(DEAD_HOLDER_TAKEN_OVER, dead_holders_key_is_taken_over),
             ];
         }
         vec![
@@ -1082,6 +1090,8 @@ const ONE_ANSWER: &str = "every 2xx of a life names one execution";
 const COMPLETED_HOLDS_RESPONSE: &str = "a completed row holds its response";
 const FENCED_WRITE_CHANGES_NOTHING: &str = "a fenced write after a takeover changes nothing";
 const DOUBLES_COUNTED: &str = "a second execution follows a counted takeover or unknown outcome";
+const DEAD_HOLDER_TAKEN_OVER: &str =
+    "a key whose holder died is taken over after its lease (held under hold)";
 
 /// Forwards in progress under a live lease whose row was not deleted by force: at most one.
 fn one_live_forward(_: &Protocol, s: &State) -> bool {
@@ -1096,6 +1106,55 @@ fn one_live_forward(_: &Protocol, s: &State) -> bool {
         })
         .count();
     live_forwards <= 1
+}
+
+/// Liveness, as a check from every state: where the row is in flight (its `ttl` not passed)
+/// and no attempt holds its token (the holder crashed, gave up its write, or its claim
+/// committed unanswered), the lease's end followed by a new try on an idle instance takes
+/// the key over under `reforward` (the new attempt forwards under a live lease), and answers
+/// 502 `outcome-unknown` under `hold`: never 409 `in-flight` until the `ttl`. It runs the
+/// model's own steps (`LeaseExpires`, then `Claim`, and the broken check-then-insert's
+/// `Insert`), so a claim that never takes a dead holder's row over breaks it.
+fn dead_holders_key_is_taken_over(model: &Protocol, s: &State) -> bool {
+    let Some(r) = &s.row else {
+        return true;
+    };
+    if r.state != RowState::InFlight
+        || r.expired
+        || s.gateways.iter().any(|p| p.token() == Some(r.token))
+    {
+        return true;
+    }
+    let token = r.token;
+    // The lease ends; a client's new try reaches an instance of its own.
+    let Some(mut t) = model.next_state(s, Action::LeaseExpires { token }) else {
+        return false;
+    };
+    t.tries += 1;
+    t.gateways.insert(0, Phase::Idle);
+    if s.mode == Mode::Hold {
+        return matches!(model.found(&t), Found::Held);
+    }
+    let Some(mut n) = model.next_state(&t, Action::Claim { gateway: 0 }) else {
+        return false;
+    };
+    if let Some(g) = n
+        .gateways
+        .iter()
+        .position(|p| matches!(p, Phase::Checked { .. }))
+    {
+        match model.next_state(&n, Action::Insert { gateway: g as u8 }) {
+            Some(inserted) => n = inserted,
+            None => return false,
+        }
+    }
+    n.row.as_ref().is_some_and(|r| {
+        r.state == RowState::InFlight
+            && n.lease_live(r.token)
+            && n.gateways
+                .iter()
+                .any(|p| matches!(*p, Phase::Forwarding { token, .. } if token == r.token))
+    })
 }
 
 /// In each life, the 2xx answers (but the excused) name one execution.
@@ -1275,6 +1334,12 @@ mod tests {
     #[test]
     fn a_delete_that_ignores_a_live_lease_lets_two_forwards_run_uncounted() {
         assert!(counterexample(broken(Bug::DeleteIgnoresLease), ONE_LIVE_FORWARD).is_some());
+    }
+
+    #[test]
+    fn a_claim_that_waits_for_the_ttl_leaves_a_dead_holders_key_in_flight() {
+        let found = counterexample(broken(Bug::LeaseNeverEnds), DEAD_HOLDER_TAKEN_OVER);
+        assert!(found.is_some());
     }
 
     #[test]
