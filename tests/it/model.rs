@@ -117,6 +117,8 @@ use stateright::{Model, Property};
 
 use crate::decisions::{self as table, After, Before, Decision, Op};
 
+mod scope;
+
 /// A lease token. Only equality between tokens means anything, so tokens are renumbered in
 /// every state (see [`State::canonical`]); a claim draws one no one holds, as
 /// `gen_random_uuid()` does.
@@ -1351,6 +1353,104 @@ mod tests {
     fn completing_in_two_writes_shows_a_completed_row_without_its_response() {
         let found = counterexample(broken(Bug::CompleteInTwoWrites), COMPLETED_HOLDS_RESPONSE);
         assert!(found.is_some());
+    }
+
+    /// Two keys of one scope, two instances, two tries per key, one crash and one store
+    /// fault (a lone statement's or a batch's).
+    const SCOPE: scope::Scope = scope::Scope {
+        tries: 2,
+        gateways: 2,
+        crashes: 1,
+        store_faults: 1,
+        bug: None,
+        coverage: false,
+    };
+
+    fn check_scope(model: scope::Scope, name: &str) {
+        let started = Instant::now();
+        let checker = model.checker().spawn_bfs().join();
+        eprintln!(
+            "{name}: {} states, {} unique, depth {}, {:.1?}",
+            checker.state_count(),
+            checker.unique_state_count(),
+            checker.max_depth(),
+            started.elapsed()
+        );
+        checker.assert_properties();
+    }
+
+    /// The shortest run of the two-key model that breaks `property` (see [`counterexample`]).
+    fn scope_counterexample(
+        model: scope::Scope,
+        property: &'static str,
+    ) -> Option<Vec<scope::Action>> {
+        let started = Instant::now();
+        let mut states = 0;
+        for depth in 2..=31 {
+            let checker = model
+                .clone()
+                .checker()
+                .target_max_depth(depth)
+                .finish_when(HasDiscoveries::AnyOf([property].into()))
+                .spawn_bfs()
+                .join();
+            states += checker.unique_state_count();
+            if let Some(path) = checker.discovery(property) {
+                let actions = path.into_actions();
+                eprintln!(
+                    "{:?} breaks \"{property}\" in {} steps ({states} states visited, {:.1?}): \
+                     {actions:?}",
+                    model.bug,
+                    actions.len(),
+                    started.elapsed()
+                );
+                return Some(actions);
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn two_keys_keep_every_property_through_batches_and_a_serialize_slot() {
+        check_scope(SCOPE, "scope");
+    }
+
+    #[test]
+    fn every_situation_of_batches_and_slots_is_reached() {
+        check_scope(
+            scope::Scope {
+                coverage: true,
+                ..SCOPE
+            },
+            "scope coverage",
+        );
+    }
+
+    #[test]
+    fn a_batch_that_fails_every_key_for_one_keys_error_shares_its_fate() {
+        let shared = scope::Scope {
+            bug: Some(scope::Bug::SharedFate),
+            ..SCOPE
+        };
+        assert!(scope_counterexample(shared, scope::NO_SHARED_FATE).is_some());
+    }
+
+    #[test]
+    fn a_slot_taken_by_count_then_insert_lets_two_forwards_of_a_scope_run() {
+        let racy = scope::Scope {
+            bug: Some(scope::Bug::SlotByCountThenInsert),
+            ..SCOPE
+        };
+        assert!(scope_counterexample(racy, scope::ONE_FORWARD_PER_SCOPE).is_some());
+    }
+
+    #[test]
+    fn a_slot_release_without_the_fence_lets_two_forwards_of_a_scope_run() {
+        let unfenced = scope::Scope {
+            bug: Some(scope::Bug::UnfencedSlotRelease),
+            ..SCOPE
+        };
+        assert!(scope_counterexample(unfenced, scope::ONE_FORWARD_PER_SCOPE).is_some());
     }
 
     /// Guarantee 3 in so many words ("no client ever holds an answer that a retry would not
