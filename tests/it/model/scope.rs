@@ -19,8 +19,9 @@
 //!   locked past the statement timeout, say; the statement is rolled back, nothing of it took
 //!   effect), or the commit's answer lost (`applied`: it committed all the same). `answer_all`
 //!   then runs every key of the batch alone, with its own statement, and only a key that fails
-//!   alone gets the error: the key at fault does (its error is its own), the other key's step
-//!   runs as if it had never been batched. A lone statement fails like the parent model's
+//!   alone gets the error: the key at fault does (its error is its own; its lone run and
+//!   its failure are one step here), the other key's step runs as if it had never been
+//!   batched. A lone statement fails like the parent model's
 //!   (`ClaimFails`, `FinishFails`, with `applied`), and `Claimed::record` may try a failed
 //!   completion again (queued again) or give up (503).
 //! - `serialize` with `max_in_flight: 1` (`src/serialize.rs`, `idemgate_take_slot`): after
@@ -44,8 +45,11 @@
 //! key of its batch failed.
 //!
 //! Not here: timeouts and `hold` (the upstream always answers), deletes, `ttl` and GC (one
-//! life per key), slot limits above 1 and routes of different limits sharing a scope, and
-//! the local queues in front of the store (they only ever hold requests back).
+//! life per key), batches of more than two keys, slot limits above 1 and routes of
+//! different limits sharing a scope, failures of the slot statements and of the release
+//! after a wait (they are written at once), the `last_start` bound on asking for a slot
+//! (the model does not count on it), and the local queues in front of the store (they only
+//! ever hold requests back).
 
 use stateright::{Model, Property};
 
