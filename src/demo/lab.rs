@@ -18,6 +18,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 
+use super::process::GatewayProcess;
 use crate::store::BoxFuture;
 
 pub use super::ledger::{AMOUNT, Ledger, Row, WEBHOOK_PATH};
@@ -76,6 +77,85 @@ pub trait Harness: Send + Sync {
     fn store_up(&self) -> BoxFuture<'_, Result<(), String>>;
     /// How long a crashed attempt's key stays in flight.
     fn lease(&self) -> Duration;
+}
+
+/// The lab's Postgres store block: `url` directly, or through a pooler in transaction mode
+/// with the wake-up listener on the direct session `listen_url`; bounds short enough for the
+/// checks' leases.
+pub fn postgres_store(url: &str, listen_url: Option<&str>) -> String {
+    let pooler = listen_url
+        .map(|direct| format!("pooler: transaction, listen_url: \"{direct}\", "))
+        .unwrap_or_default();
+    format!(
+        "  postgres: {{ url: \"{url}\", {pooler}acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
+    )
+}
+
+/// How a [`GatewayUnderTest`]'s store is taken away and brought back, which depends on who
+/// runs it: the demo starts a second gateway whose store does not answer; the tests stop
+/// their own PostgreSQL under the same gateway.
+pub trait StoreSwitch: Send + Sync {
+    /// Takes the store away: `Some(url)` of another gateway to use meanwhile, or `None` when
+    /// the gateway under test itself lost its store.
+    fn down(&self) -> BoxFuture<'_, Result<Option<String>, String>>;
+    fn up(&self) -> BoxFuture<'_, Result<(), String>>;
+}
+
+/// A gateway child process with its store switch: the [`Harness`] of `idemgate demo` and of
+/// the lab's integration tests.
+pub struct GatewayUnderTest<S> {
+    process: tokio::sync::Mutex<GatewayProcess>,
+    url: String,
+    lease: Duration,
+    store: S,
+}
+
+impl<S: StoreSwitch> GatewayUnderTest<S> {
+    /// `lease` is the route's (how long a crashed attempt's key stays in flight).
+    pub fn new(process: GatewayProcess, lease: Duration, store: S) -> GatewayUnderTest<S> {
+        GatewayUnderTest {
+            url: process.url(""),
+            process: tokio::sync::Mutex::new(process),
+            lease,
+            store,
+        }
+    }
+
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The process's log so far.
+    pub async fn log_text(&self) -> String {
+        self.process.lock().await.log_text()
+    }
+}
+
+impl<S: StoreSwitch> Harness for GatewayUnderTest<S> {
+    fn base_url(&self) -> String {
+        self.url.clone()
+    }
+    fn is_gateway(&self) -> bool {
+        true
+    }
+    fn kill(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async {
+            self.process.lock().await.kill();
+            Ok(())
+        })
+    }
+    fn restart(&self) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { self.process.lock().await.restart().await })
+    }
+    fn store_down(&self) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async { Ok(self.store.down().await?.unwrap_or_else(|| self.url.clone())) })
+    }
+    fn store_up(&self) -> BoxFuture<'_, Result<(), String>> {
+        self.store.up()
+    }
+    fn lease(&self) -> Duration {
+        self.lease
+    }
 }
 
 /// The ledger alone: no gateway, no store.

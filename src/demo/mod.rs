@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tokio::sync::Mutex;
 
-use self::lab::{CheckResult, Harness, Ledger};
+use self::lab::{CheckResult, GatewayUnderTest, Ledger, StoreSwitch};
 use self::process::{GatewayProcess, free_port};
 use crate::store::BoxFuture;
 
@@ -46,9 +46,7 @@ const SERIALIZE_WAIT: &str = "3s";
 
 fn store_block(opts: &DemoOptions, dir: &Path) -> String {
     match &opts.store {
-        Some(url) => format!(
-            "  postgres: {{ url: \"{url}\", acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
-        ),
+        Some(url) => lab::postgres_store(url, None),
         None => format!(
             "  sqlite: {{ path: \"{}\", busy_timeout: 1s }}",
             dir.join("idemgate.db").display()
@@ -56,33 +54,17 @@ fn store_block(opts: &DemoOptions, dir: &Path) -> String {
     }
 }
 
-/// The gateway under test, as child processes of this one.
-struct DemoGateway {
+/// "Store unreachable" in the demo: a second gateway on a Postgres address where nothing
+/// listens, while the first keeps its store.
+struct CutOff {
     exe: PathBuf,
     dir: PathBuf,
     ledger_url: String,
-    gateway: Mutex<GatewayProcess>,
-    url: String,
-    cut_off: Mutex<Option<GatewayProcess>>,
+    gateway: Mutex<Option<GatewayProcess>>,
 }
 
-impl Harness for DemoGateway {
-    fn base_url(&self) -> String {
-        self.url.clone()
-    }
-    fn is_gateway(&self) -> bool {
-        true
-    }
-    fn kill(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async {
-            self.gateway.lock().await.kill();
-            Ok(())
-        })
-    }
-    fn restart(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async { self.gateway.lock().await.restart().await })
-    }
-    fn store_down(&self) -> BoxFuture<'_, Result<String, String>> {
+impl StoreSwitch for CutOff {
+    fn down(&self) -> BoxFuture<'_, Result<Option<String>, String>> {
         Box::pin(async {
             let port = free_port().map_err(|e| e.to_string())?;
             let store = format!(
@@ -98,18 +80,15 @@ impl Harness for DemoGateway {
             // `serve` starts without its store and keeps trying to reach it.
             let p = GatewayProcess::start_logging(&self.exe, &self.dir, &yaml, "info").await?;
             let url = p.url("");
-            *self.cut_off.lock().await = Some(p);
-            Ok(url)
+            *self.gateway.lock().await = Some(p);
+            Ok(Some(url))
         })
     }
-    fn store_up(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn up(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async {
-            self.cut_off.lock().await.take();
+            self.gateway.lock().await.take();
             Ok(())
         })
-    }
-    fn lease(&self) -> Duration {
-        crate::config::parse_duration(LEASE).unwrap_or(Duration::from_secs(7))
     }
 }
 
@@ -216,14 +195,14 @@ pub async fn run(opts: DemoOptions) -> Result<bool, String> {
     );
     let gateway = GatewayProcess::start_logging(&exe, &dir.0, &yaml, "info").await?;
     let url = gateway.url("");
-    let harness = DemoGateway {
+    let lease = crate::config::parse_duration(LEASE).unwrap_or(Duration::from_secs(7));
+    let cut_off = CutOff {
         exe: exe.clone(),
         dir: dir.0.clone(),
         ledger_url,
-        gateway: Mutex::new(gateway),
-        url: url.clone(),
-        cut_off: Mutex::new(None),
+        gateway: Mutex::new(None),
     };
+    let harness = GatewayUnderTest::new(gateway, lease, cut_off);
     let run_id = format!("{}", std::process::id());
     let total = 8;
     let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));

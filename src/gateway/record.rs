@@ -100,6 +100,20 @@ impl Claimed {
                 }
             }
         };
+        // A forward that could outlive the lease is not started: past the lease, another
+        // attempt may own the key. Only a process paused or starved since its claim (or its
+        // wait for a slot) gets here; the lease was checked at load to outlast the upstream's
+        // timeout and the record.
+        if Instant::now() + upstream.config.timeout >= self.lease_ends {
+            if let Err(e) = self.finish(Outcome::Release, idem.ttl).await {
+                tracing::warn!(route = %self.request.route().name, error = %e, "could not release a key whose lease was too short to forward; it frees itself when its lease ends");
+            }
+            tracing::warn!(route = %self.request.route().name, key = %self.request.id, "not forwarded: too little of the lease was left (the process was paused or starved since its claim); released");
+            if let Some(held) = held {
+                held.release(store).await;
+            }
+            return Err(GatewayError::in_flight());
+        }
         let slot = self.request.admission.take_slot(
             &upstream.limit,
             &upstream.config.name,
@@ -153,8 +167,14 @@ impl Claimed {
             }
             Err(e) => {
                 let outcome = match idem.on_unknown_outcome {
-                    OnUnknownOutcome::Reforward => Outcome::Release,
-                    OnUnknownOutcome::Hold => Outcome::Unknown,
+                    OnUnknownOutcome::Reforward => {
+                        tracing::warn!(route = %self.request.route().name, key = %self.request.id, error = %e, "outcome unknown: released, a retry forwards again");
+                        Outcome::Release
+                    }
+                    OnUnknownOutcome::Hold => {
+                        tracing::warn!(route = %self.request.route().name, key = %self.request.id, error = %e, "outcome unknown: held until an operator decides");
+                        Outcome::Unknown
+                    }
                 };
                 if let Err(se) = self.finish(outcome, idem.ttl).await {
                     tracing::warn!(route = %self.request.route().name, error = %se, "could not record an unknown outcome; the key stays in flight until its lease ends");

@@ -336,3 +336,117 @@ async fn the_work_stealing_runtime_serves_and_drains_too() {
         gw.log_text()
     );
 }
+
+/// Bytes waiting in the receive queues of `pid`'s TCP sockets (`/proc/net/tcp`): a stopped
+/// process's unread input.
+fn unread_tcp_bytes(pid: i32) -> u64 {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                .filter_map(|target| {
+                    let t = target.to_string_lossy().into_owned();
+                    Some(t.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .flat_map(|text| text.lines().skip(1).map(str::to_string).collect::<Vec<_>>())
+        .filter_map(|line| {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            let inode = cols.get(9)?;
+            let rx = cols.get(4)?.split(':').nth(1)?;
+            inodes
+                .iter()
+                .any(|i| i == inode)
+                .then(|| u64::from_str_radix(rx, 16).ok())?
+        })
+        .sum()
+}
+
+/// A gateway stopped (SIGSTOP) while its claim waits in the database, and continued after its
+/// lease has passed, does not forward: by its own clock, the lease could end before the
+/// upstream answered, and another attempt may own the key by then. It releases the key and
+/// answers 409; the retry forwards, once.
+#[tokio::test]
+async fn a_gateway_paused_past_its_lease_while_claiming_does_not_forward_when_it_resumes() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    // One pooled session (to stop it), behind `pooler: transaction` (on the server itself):
+    // a statement answered just after its client-side bound is still read, so the resumed
+    // gateway reads its claim rather than a timeout.
+    let store = format!(
+        "  postgres: {{ url: \"{db}\", pooler: transaction, listen_url: \"{db}\", pool_size: 1, acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
+    );
+    let yaml =
+        config_yaml_store(&store, &up.url(), "lease: 3s").patch("timeout: 5s", "timeout: 1s");
+    let gw = GatewayProcess::start(&yaml).await;
+    let c = client();
+    let url = gw.url("/pay");
+    let post = |key: &'static str| {
+        let (c, url) = (c.clone(), url.clone());
+        async move {
+            send(
+                &c,
+                Method::POST,
+                &url,
+                &[
+                    ("idempotency-key", key),
+                    ("x-account-id", "acct"),
+                    ("content-type", "application/json"),
+                ],
+                "{}",
+            )
+            .await
+        }
+    };
+    assert_eq!(post("warm").await.status, 201, "the pool's session is open");
+
+    let side = sql(&db).await;
+    let pids: Vec<i32> = side
+        .query(
+            "SELECT pid FROM pg_stat_activity
+              WHERE application_name = 'idemgate' AND datname = current_database()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    assert_eq!(pids.len(), 1, "one pooled session");
+    let session = pg::Stopped::stop(&pids);
+    let first = tokio::spawn(post("paused"));
+    wait_until(
+        "the claim's statement waits in the stopped session",
+        Duration::from_secs(10),
+        || async { unread_tcp_bytes(pids[0]) > 0 },
+    )
+    .await;
+    let gateway = pg::Stopped::stop(&[gw.pid().expect("running") as i32]);
+    drop(session);
+    // Past the lease by any clock: it began before the claim was sent.
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    drop(gateway);
+
+    let first = first.await.unwrap();
+    assert_eq!(
+        first.status,
+        409,
+        "not forwarded: {}",
+        String::from_utf8_lossy(&first.body)
+    );
+    assert_eq!(up.executions(), 1, "only the warm-up was forwarded");
+    assert!(
+        gw.log_text()
+            .contains("not forwarded: too little of the lease was left"),
+        "{}",
+        gw.log_text()
+    );
+    // The key was released: the retry forwards, once.
+    assert_eq!(post("paused").await.status, 201);
+    assert_eq!(post("paused").await.status, 201);
+    assert_eq!(up.executions(), 2);
+}

@@ -49,10 +49,13 @@
 //!
 //! - (a) no two executions of one key overlap in time, unless the earlier one's instance was
 //!   paused between their starts, the upstream held the earlier one at least a lease, or the
-//!   earlier attempt answered 502/504 (a released unknown outcome) before the later started;
+//!   earlier attempt answered 502/504 or logged "outcome unknown: released" (a released
+//!   unknown outcome, whose 504 may go to a client that already hung up) before the later
+//!   started;
 //! - (b) every double is explained, in order: between the starts of the two executions there
-//!   is a "took over an expired lease" line for the key (log timestamps, same host clock), a
-//!   502/504 answered for the event before the later one started, or a pause of the earlier
+//!   is a "took over an expired lease" or an "outcome unknown: released" line for the key
+//!   (log timestamps, same host clock), a 502/504 answered for the event before the later
+//!   one started, or a pause of the earlier
 //!   execution's instance that the later one followed (the resumed attempt's upstream
 //!   timeout had passed, so it released its key as an unknown outcome: a 504 to a client that
 //!   had hung up, not in the history);
@@ -1195,6 +1198,13 @@ fn check(
         } else {
             Vec::new()
         };
+        // Unknown outcomes released (`reforward`), as the gateway logs them: the 504 may have
+        // gone to a client that had already hung up, so it is not always in the history.
+        let released_at = if row.is_some() {
+            log_times(logs, &id, "outcome unknown: released", t0_epoch_ms)
+        } else {
+            Vec::new()
+        };
         let lost = if row.is_some() {
             log_times(logs, &id, "lease lost", t0_epoch_ms).len()
         } else {
@@ -1239,7 +1249,10 @@ fn check(
                 let stalled = x.held_ms >= LEASE_MS;
                 let released = ops
                     .iter()
-                    .any(|op| op.unknown() && op.instance == x.instance && op.end_ms <= y.start_ms);
+                    .any(|op| op.unknown() && op.instance == x.instance && op.end_ms <= y.start_ms)
+                    || released_at.iter().any(|&t| {
+                        t >= x.start_ms as i64 && t <= y.start_ms as i64 + LOG_CLOCK_SLACK_MS
+                    });
                 if !(paused || stalled || released) {
                     violations.push(format!(
                         "{event}: (a) executions {} (instance {}, {}..{:?} ms) and {} (instance \
@@ -1259,7 +1272,10 @@ fn check(
                 .any(|&t| t >= x.start_ms as i64 && t <= y.start_ms as i64 + LOG_CLOCK_SLACK_MS);
             let unknown = ops
                 .iter()
-                .any(|op| op.unknown() && op.start_ms <= y.start_ms);
+                .any(|op| op.unknown() && op.start_ms <= y.start_ms)
+                || released_at.iter().any(|&t| {
+                    t >= x.start_ms as i64 && t <= y.start_ms as i64 + LOG_CLOCK_SLACK_MS
+                });
             // The earlier attempt's instance was stopped while it worked, and the later
             // execution began after it was continued: the resumed attempt's upstream timeout
             // had passed, so it released its key as an unknown outcome (a 504 to a client

@@ -3,55 +3,34 @@
 //! ledger must fail the checks it failed in the lab (proving the checks can fail); through
 //! idemgate, every check passes.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use idemgate::lab::{self, CheckResult, Harness, Ledger};
+use idemgate::lab::{self, CheckResult, GatewayUnderTest, Ledger, StoreSwitch};
 use idemgate::store::BoxFuture;
-use tokio::sync::Mutex;
 
 use crate::support::pg::Cluster;
 use crate::support::pgbouncer::Bouncer;
-use crate::support::process::GatewayProcess;
 
-/// idemgate as a child process on a private cluster (so the store can be stopped).
-struct Gateway {
-    process: Mutex<GatewayProcess>,
-    url: String,
-    cluster: std::sync::Arc<Cluster>,
-    /// PgBouncer between the gateway and the cluster, if any (it stays up while the cluster
-    /// is stopped), and the test database through it.
+/// The store of the gateway under test: its private cluster, stopped and started under it,
+/// behind PgBouncer if any (the pooler stays up while the cluster is stopped), with the
+/// test database through it.
+struct OwnCluster {
+    cluster: Arc<Cluster>,
     bouncer: Option<(Bouncer, String)>,
 }
 
-impl Harness for Gateway {
-    fn base_url(&self) -> String {
-        self.url.clone()
-    }
-    fn is_gateway(&self) -> bool {
-        true
-    }
-    fn kill(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async {
-            self.process.lock().await.kill();
-            Ok(())
-        })
-    }
-    fn restart(&self) -> BoxFuture<'_, Result<(), String>> {
-        Box::pin(async {
-            self.process.lock().await.restart().await;
-            Ok(())
-        })
-    }
-    fn store_down(&self) -> BoxFuture<'_, Result<String, String>> {
+impl StoreSwitch for OwnCluster {
+    fn down(&self) -> BoxFuture<'_, Result<Option<String>, String>> {
         Box::pin(async {
             let c = self.cluster.clone();
             tokio::task::spawn_blocking(move || c.pg_stop_immediate())
                 .await
                 .map_err(|e| e.to_string())?;
-            Ok(self.url.clone())
+            Ok(None)
         })
     }
-    fn store_up(&self) -> BoxFuture<'_, Result<(), String>> {
+    fn up(&self) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async {
             let c = self.cluster.clone();
             tokio::task::spawn_blocking(move || c.pg_start())
@@ -80,9 +59,6 @@ impl Harness for Gateway {
             }
             Ok(())
         })
-    }
-    fn lease(&self) -> Duration {
-        Duration::from_secs(9)
     }
 }
 
@@ -143,7 +119,7 @@ async fn through_idemgate(pooled: bool) -> Vec<CheckResult> {
     let progress = |_: &str| {};
     let ledger = Ledger::new(Duration::from_millis(10));
     let (addr, _task) = ledger.start().await.unwrap();
-    let cluster = std::sync::Arc::new(tokio::task::spawn_blocking(Cluster::start).await.unwrap());
+    let cluster = Arc::new(tokio::task::spawn_blocking(Cluster::start).await.unwrap());
     let db = cluster.new_database().await;
     let bouncer = if pooled {
         let c = cluster.clone();
@@ -156,36 +132,35 @@ async fn through_idemgate(pooled: bool) -> Vec<CheckResult> {
         None
     };
     let store = match &bouncer {
-        None => format!(
-            "  postgres: {{ url: \"{db}\", acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}"
-        ),
-        Some(b) => format!(
-            "  postgres: {{ url: \"{}\", pooler: transaction, listen_url: \"{db}\", acquire_timeout: 500ms, connect_timeout: 1s, statement_timeout: 1s }}",
-            b.url_for(&db)
-        ),
+        None => lab::postgres_store(&db, None),
+        Some(b) => lab::postgres_store(&b.url_for(&db), Some(&db)),
     };
     let yaml = lab::gateway_config("127.0.0.1:0", &store, &format!("http://{addr}"), "9s", "5s");
-    let process = GatewayProcess::start(&yaml).await;
-    let url = format!("http://{}", process.addr);
-    let gw = Gateway {
-        process: Mutex::new(process),
-        url,
+    let dir = std::env::temp_dir().join(format!("idemgate-lab-{}-{pooled}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let process =
+        idemgate::process::GatewayProcess::start(crate::support::bin::idemgate(), &dir, &yaml)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    let store = OwnCluster {
         cluster,
         bouncer: bouncer.map(|b| {
             let url = b.url_for(&db);
             (b, url)
         }),
     };
+    let gw = GatewayUnderTest::new(process, Duration::from_secs(9), store);
     let through = lab::run_checks(&gw, &ledger, "g", &progress).await;
     for r in &through {
         eprintln!("gateway {:<28} {:?} {}", r.name, r.passed, r.detail);
     }
     assert_eq!(through.len(), 8);
     if through.iter().any(|r| r.passed != Some(true)) {
-        if let Some((b, _)) = &gw.bouncer {
+        if let Some((b, _)) = &gw.store().bouncer {
             eprintln!("pgbouncer log:\n{}", b.log());
         }
-        eprintln!("gateway log:\n{}", gw.process.lock().await.log_text());
+        eprintln!("gateway log:\n{}", gw.log_text().await);
     }
+    let _ = std::fs::remove_dir_all(&dir);
     through
 }
