@@ -3,7 +3,8 @@
 //! check alone ([`has_duplicate_member`]) for a body that is forwarded but not read.
 //!
 //! No body costs more than its size: every step over it is linear, whatever its shape. One
-//! hand-written reader (`parse.rs`) goes over the bytes once, with a stack of its own rather
+//! hand-written reader (`parse.rs`, its byte-level string scanning in `scan.rs`) goes over the
+//! bytes once, with a stack of its own rather
 //! than recursion, and accepts what serde_json accepts; what it reads goes either into a
 //! document (`tape.rs`) or to the check (`names.rs`). The document keeps its values in flat
 //! vectors of small plain values rather than a value per allocation, strings where they lie
@@ -25,6 +26,7 @@ mod hashed;
 mod names;
 mod order;
 mod parse;
+mod scan;
 mod spare;
 mod tape;
 

@@ -13,6 +13,7 @@
 //! somewhere is still read in order up to the first string or token that reaches the break
 //! (so the order of errors is the same).
 
+use super::scan::{SHORT_ESCAPES, hex4, scan, scan_words};
 use super::{MAX_DEPTH, NUMBER_TOKEN, Refusal};
 
 /// What the reader hands its values to. `Value` is what a finished value is to the sink (a
@@ -151,59 +152,6 @@ struct Reader<'a> {
     /// Bytes of white space skipped so far.
     spaces: usize,
 }
-
-/// Where the first byte from `i` on is one a string's scan stops at ([`STOP`]), or the end.
-/// Byte by byte: most strings are names and short values, whose few bytes this reads with
-/// no more than a load and a well-predicted branch each.
-#[inline(always)]
-fn scan(raw: &[u8], mut i: usize) -> usize {
-    while i < raw.len() && !STOP[raw[i] as usize] {
-        i += 1;
-    }
-    i
-}
-
-/// [`scan`] 8 bytes at a time, for the runs between escapes (which, in names that are
-/// escaped whole, are as long as the name's own characters): none of a word's bytes is a
-/// [`STOP`] if the word has no byte equal to `"` or `\` nor below 0x20, which a few
-/// operations on the word find at once (the lowest such byte exactly, the one used).
-#[inline]
-fn scan_words(raw: &[u8], mut i: usize) -> usize {
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGH: u64 = 0x8080_8080_8080_8080;
-    let below = |v: u64, n: u64| v.wrapping_sub(ONES * n) & !v & HIGH;
-    // Escapes side by side leave runs of no byte: no word to read for those.
-    if raw.get(i).is_none_or(|&b| STOP[b as usize]) {
-        return i;
-    }
-    while let Some(bytes) = raw.get(i..i + 8) {
-        let mut w = [0u8; 8];
-        w.copy_from_slice(bytes);
-        let w = u64::from_le_bytes(w);
-        let quote = below(w ^ (ONES * u64::from(b'"')), 1);
-        let backslash = below(w ^ (ONES * u64::from(b'\\')), 1);
-        let stop = quote | backslash | below(w, 0x20);
-        if stop != 0 {
-            return i + (stop.trailing_zeros() / 8) as usize;
-        }
-        i += 8;
-    }
-    scan(raw, i)
-}
-
-/// Bytes a string's scan stops at: the quote, the backslash and control characters (which
-/// JSON does not allow unescaped in a string).
-static STOP: [bool; 256] = {
-    let mut t = [false; 256];
-    let mut i = 0;
-    while i < 0x20 {
-        t[i] = true;
-        i += 1;
-    }
-    t[b'"' as usize] = true;
-    t[b'\\' as usize] = true;
-    t
-};
 
 impl<'a> Reader<'a> {
     /// The text's value. The stack of open containers is [`MAX_DEPTH`] flags at most (the
@@ -559,51 +507,3 @@ fn is_number_token(name: Str<'_>, decoded: &[u8]) -> bool {
         None => name.raw == NUMBER_TOKEN.as_bytes(),
     }
 }
-
-/// What each letter after a backslash stands for, but `u` (0: not an escape).
-static SHORT_ESCAPES: [u8; 256] = {
-    let mut t = [0u8; 256];
-    t[b'"' as usize] = b'"';
-    t[b'\\' as usize] = b'\\';
-    t[b'/' as usize] = b'/';
-    t[b'b' as usize] = 0x08;
-    t[b'f' as usize] = 0x0c;
-    t[b'n' as usize] = b'\n';
-    t[b'r' as usize] = b'\r';
-    t[b't' as usize] = b'\t';
-    t
-};
-
-/// Four hex digits at `at`.
-#[inline]
-fn hex4(raw: &[u8], at: usize) -> Result<u32, Refusal> {
-    let digits = raw.get(at..at + 4).ok_or(Refusal::NotJson)?;
-    let mut n = 0;
-    let mut bad = 0;
-    for &d in digits {
-        let v = HEX[d as usize];
-        bad |= v;
-        n = n << 4 | u32::from(v & 0xf);
-    }
-    if bad & 0x10 != 0 {
-        return Err(Refusal::NotJson);
-    }
-    Ok(n)
-}
-
-/// Each byte's value as a hex digit, or 0x10 if it is not one.
-static HEX: [u8; 256] = {
-    let mut t = [0x10u8; 256];
-    let mut i = 0;
-    while i < 10 {
-        t[b'0' as usize + i] = i as u8;
-        i += 1;
-    }
-    let mut i = 0;
-    while i < 6 {
-        t[b'a' as usize + i] = 10 + i as u8;
-        t[b'A' as usize + i] = 10 + i as u8;
-        i += 1;
-    }
-    t
-};

@@ -405,17 +405,7 @@ async fn a_gateway_paused_past_its_lease_while_claiming_does_not_forward_when_it
     assert_eq!(post("warm").await.status, 201, "the pool's session is open");
 
     let side = sql(&db).await;
-    let pids: Vec<i32> = side
-        .query(
-            "SELECT pid FROM pg_stat_activity
-              WHERE application_name = 'idemgate' AND datname = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let pids = pg::session_pids(&side, "idemgate").await;
     assert_eq!(pids.len(), 1, "one pooled session");
     let session = pg::Stopped::stop(&pids);
     let first = tokio::spawn(post("paused"));

@@ -791,24 +791,15 @@ impl Lane {
             return false;
         };
         let side = sql(&self.db).await;
-        let locked = tokio::time::timeout(Duration::from_secs(2), async {
-            side.batch_execute("BEGIN").await?;
-            side.query(
-                "SELECT 1 FROM idemgate_keys WHERE key = $1 FOR UPDATE",
-                &[&event],
-            )
-            .await
-        })
-        .await;
+        let ok = lock_row(&side, &event).await;
         let _ = go.send(());
-        let ok = matches!(&locked, Ok(Ok(rows)) if rows.len() == 1);
         self.faults.locked.push(event.clone());
         if ok {
             tokio::time::sleep(Duration::from_millis(ms)).await;
         } else {
             self.faults
                 .notes
-                .push(format!("row lock of {event}: {locked:?}"));
+                .push(format!("row lock of {event}: the row could not be locked"));
         }
         let _ = tokio::time::timeout(Duration::from_secs(2), side.batch_execute("ROLLBACK")).await;
         ok
@@ -854,19 +845,7 @@ impl Lane {
         // Two side sessions: D's lock ends as soon as the batch has formed behind it, A's
         // outlasts the batch's statement and A's own.
         let (side_d, side_a) = (sql(&self.db).await, sql(&self.db).await);
-        let lock = async |side: &tokio_postgres::Client, event: &str| {
-            let locked = tokio::time::timeout(Duration::from_secs(2), async {
-                side.batch_execute("BEGIN").await?;
-                side.query(
-                    "SELECT 1 FROM idemgate_keys WHERE key = $1 FOR UPDATE",
-                    &[&event],
-                )
-                .await
-            })
-            .await;
-            matches!(&locked, Ok(Ok(rows)) if rows.len() == 1)
-        };
-        let ok = lock(&side_a, &a).await && lock(&side_d, &d).await;
+        let ok = lock_row(&side_a, &a).await && lock_row(&side_d, &d).await;
         self.faults.locked.extend([d.clone(), a.clone()]);
         let _ = go_d.send(());
         tokio::time::sleep(Duration::from_millis(150)).await;
@@ -924,6 +903,21 @@ impl Lane {
         let one = value("idemgate_store_batch_keys_bucket{", Some("le=\"1.0\""));
         all.saturating_sub(one)
     }
+}
+
+/// Locks `event`'s row in a transaction of `side` (`SELECT ... FOR UPDATE`), until `side`
+/// rolls back; whether it was locked within 2s.
+async fn lock_row(side: &tokio_postgres::Client, event: &str) -> bool {
+    let locked = tokio::time::timeout(Duration::from_secs(2), async {
+        side.batch_execute("BEGIN").await?;
+        side.query(
+            "SELECT 1 FROM idemgate_keys WHERE key = $1 FOR UPDATE",
+            &[&event],
+        )
+        .await
+    })
+    .await;
+    matches!(&locked, Ok(Ok(rows)) if rows.len() == 1)
 }
 
 /// Milliseconds since the epoch of a log line's leading `2026-12-01T03:07:02.123456Z`.

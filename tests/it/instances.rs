@@ -135,17 +135,7 @@ async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
     wakeups_flow(&gw).await;
     let stats = &gw.gateway.inflight().stats;
     let db = gw.sql().await;
-    let pids: Vec<i32> = db
-        .query(
-            "SELECT pid FROM pg_stat_activity
-              WHERE application_name = 'idemgate-listener' AND datname = current_database()",
-            &[],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let pids = pg::session_pids(&db, "idemgate-listener").await;
     assert_eq!(pids.len(), 1, "one listener connection");
     let _frozen = pg::Stopped::stop(&pids);
     let interval = idemgate::store::postgres::listener::REPROBE;

@@ -355,18 +355,13 @@ async fn an_instances_own_delete_evicts_its_replay_cache_at_once() {
         .trusted_cache()
         .map(|(c, _)| c.hits.load(std::sync::atomic::Ordering::SeqCst));
     assert_eq!(hits, Some(1), "the second replay came from memory");
-    let listener: i32 = gw
-        .sql()
-        .await
-        .query_one(
-            "SELECT pid FROM pg_stat_activity
-              WHERE datname = current_database() AND application_name = $1",
-            &[&idemgate::store::postgres::listener::APPLICATION_NAME],
-        )
-        .await
-        .expect("one listener session")
-        .get(0);
-    let stopped = pg::Stopped::stop(&[listener]);
+    let listeners = pg::session_pids(
+        &gw.sql().await,
+        idemgate::store::postgres::listener::APPLICATION_NAME,
+    )
+    .await;
+    assert_eq!(listeners.len(), 1, "one listener session");
+    let stopped = pg::Stopped::stop(&listeners);
     let deleted = admin(&gw, http::Method::DELETE, "/v1/keys?scope=a&key=k", None).await;
     assert_eq!(deleted.status, 204);
     assert!(

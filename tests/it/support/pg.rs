@@ -425,6 +425,22 @@ pub async fn fresh_database() -> String {
     cluster.new_database().await
 }
 
+/// The server processes of this database's sessions that `application_name` names
+/// (`idemgate` for the pool, `idemgate-listener` for the wake-up listener).
+#[allow(dead_code)] // used by the tests, not by the load harness that includes this file
+pub async fn session_pids(db: &tokio_postgres::Client, application_name: &str) -> Vec<i32> {
+    db.query(
+        "SELECT pid FROM pg_stat_activity
+          WHERE application_name = $1 AND datname = current_database()",
+        &[&application_name],
+    )
+    .await
+    .expect("listing the sessions")
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
+}
+
 /// Processes stopped with SIGSTOP, continued (SIGCONT) when dropped, however the test ends.
 #[allow(dead_code)] // used by the tests, not by the load harness that includes this file
 pub struct Stopped(Vec<i32>);
