@@ -57,25 +57,47 @@ impl std::fmt::Debug for Message {
 }
 
 impl Queue {
-    /// Starts the exporter thread; the exporter is built there, inside its runtime (tonic's
-    /// channel needs one).
+    /// Starts the exporter thread; the exporter is built there, inside the thread's own
+    /// runtime (tonic's channel needs one), and this waits until it is.
     pub(super) fn start(
         settings: &Settings,
         resource: Resource,
         counters: Counters,
     ) -> Result<Queue, String> {
         let (tx, rx) = std::sync::mpsc::sync_channel(settings.max_queue_spans);
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| format!("traces: cannot start the exporter's runtime: {e}"))?;
-        let exporter = runtime.block_on(async { Exporter::build(settings, resource) })?;
+        let (built_tx, built_rx) = std::sync::mpsc::sync_channel(1);
         let timeout = settings.timeout;
         let dropped = counters.dropped.clone();
+        let settings = settings.clone();
         std::thread::Builder::new()
             .name("idemgate-traces".into())
-            .spawn(move || export_loop(rx, runtime, exporter, timeout, counters))
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = built_tx.send(Err(format!(
+                            "traces: cannot start the exporter's runtime: {e}"
+                        )));
+                        return;
+                    }
+                };
+                match runtime.block_on(async { Exporter::build(&settings, resource) }) {
+                    Ok(exporter) => {
+                        let _ = built_tx.send(Ok(()));
+                        export_loop(rx, runtime, exporter, timeout, counters);
+                    }
+                    Err(e) => {
+                        let _ = built_tx.send(Err(e));
+                    }
+                }
+            })
             .map_err(|e| format!("traces: cannot start the exporter thread: {e}"))?;
+        built_rx
+            .recv()
+            .map_err(|_| "traces: the exporter thread ended at start".to_string())??;
         Ok(Queue {
             tx,
             dropped,
@@ -215,7 +237,8 @@ fn export_loop(
         if !batch.is_empty() {
             let n = batch.len() as u64;
             let spans = std::mem::replace(&mut batch, Vec::with_capacity(MAX_BATCH));
-            let sent = runtime.block_on(tokio::time::timeout(timeout, exporter.export(spans)));
+            let sent = runtime
+                .block_on(async { tokio::time::timeout(timeout, exporter.export(spans)).await });
             match sent {
                 Ok(Ok(())) => {
                     counters.exported.inc_by(n);
