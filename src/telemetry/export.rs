@@ -24,8 +24,17 @@ use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
 use opentelemetry_sdk::trace::{Span, SpanData, SpanExporter as _, SpanProcessor};
 
-use super::{Counters, Settings};
+use super::settings::Settings;
 use crate::config::OtlpProtocol;
+
+/// What the exporter counts into `/metrics`.
+#[derive(Clone, Debug, Default)]
+pub struct Counters {
+    /// Spans dropped: the queue was full, or their export failed.
+    pub dropped: prometheus_client::metrics::counter::Counter,
+    /// Spans the collector accepted.
+    pub exported: prometheus_client::metrics::counter::Counter,
+}
 
 /// Spans sent to the collector at once, at most.
 const MAX_BATCH: usize = 512;
