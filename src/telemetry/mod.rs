@@ -112,11 +112,11 @@ impl Telemetry {
             .with_kind(SpanKind::Server)
             .with_attributes([KeyValue::new(attribute::METHOD, method.as_str().to_owned())]);
         let span = self.tracer.build_with_context(builder, &parent);
-        RequestTrace {
+        RequestTrace(Arc::new(TraceInner {
             cx: parent.with_span(span),
             telemetry: Arc::clone(self),
             method: method.clone(),
-        }
+        }))
     }
 
     /// Exports what is queued, waiting at most `bound` (graceful shutdown); spans that end
@@ -129,9 +129,12 @@ impl Telemetry {
 }
 
 /// A request's trace: its server span (ended by [`RequestTrace::end`], or when the last
-/// clone is dropped) and the way to its children. Cloned into the keyed request's task.
+/// clone is dropped) and the way to its children. Cloned into the keyed request's task; one
+/// pointer wide, so the request's state grows by a word when traces are off.
 #[derive(Clone)]
-pub struct RequestTrace {
+pub struct RequestTrace(Arc<TraceInner>);
+
+struct TraceInner {
     /// Holds the server span.
     cx: Context,
     telemetry: Arc<Telemetry>,
@@ -145,23 +148,25 @@ pub struct ChildSpan(#[allow(dead_code)] opentelemetry_sdk::trace::Span);
 impl RequestTrace {
     /// A child span named `name` (`claim`, `wait`, `record`), ended when dropped.
     pub fn child(&self, name: &'static str) -> ChildSpan {
-        ChildSpan(self.telemetry.tracer.start_with_context(name, &self.cx))
+        ChildSpan(self.0.telemetry.tracer.start_with_context(name, &self.0.cx))
     }
 
     /// The `forward` child span of an upstream call, its `traceparent` (and the client's
     /// `tracestate`) set in `headers`, replacing what the client sent.
     pub fn forward(&self, headers: &mut HeaderMap) -> ChildSpan {
-        let span = self.telemetry.tracer.build_with_context(
-            self.telemetry
+        let span = self.0.telemetry.tracer.build_with_context(
+            self.0
+                .telemetry
                 .tracer
                 .span_builder("forward")
                 .with_kind(SpanKind::Client),
-            &self.cx,
+            &self.0.cx,
         );
         let cx = Context::new()
             .with_remote_span_context(opentelemetry::trace::Span::span_context(&span).clone());
         headers.remove(TRACESTATE);
-        self.telemetry
+        self.0
+            .telemetry
             .propagator
             .inject_context(&cx, &mut opentelemetry_http::HeaderInjector(headers));
         ChildSpan(span)
@@ -169,9 +174,9 @@ impl RequestTrace {
 
     /// Ends the server span with what the access line says of the request.
     pub fn end(&self, route: &str, outcome: &'static str, status: u16, key_id: Option<&str>) {
-        let span = self.cx.span();
+        let span = self.0.cx.span();
         if !route.is_empty() {
-            span.update_name(format!("{} {route}", self.method));
+            span.update_name(format!("{} {route}", self.0.method));
         }
         span.set_attribute(KeyValue::new(attribute::ROUTE, route.to_owned()));
         span.set_attribute(KeyValue::new(attribute::OUTCOME, outcome));

@@ -405,6 +405,38 @@ async fn the_grpc_protocol_delivers_spans() {
     gw.kill();
 }
 
+/// SIGTERM exports the spans still queued before the process exits (the batch would
+/// otherwise wait a second for company).
+#[tokio::test]
+async fn spans_still_queued_are_exported_at_shutdown() {
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let (collector, received, _) = http_receiver().await;
+    let yaml = format!(
+        "{}telemetry:\n  otlp: {{ endpoint: \"http://{collector}\" }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let mut gw = GatewayProcess::start(&yaml).await;
+    let parent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
+    let r = send(
+        &client(),
+        Method::GET,
+        &gw.url("/last-words"),
+        &[("traceparent", parent.as_str())],
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 201);
+    gw.terminate();
+    let exited = gw.wait_exit(Duration::from_secs(15)).await;
+    assert!(exited, "a clean exit:\n{}", gw.log_text());
+    let got = received.of_trace(CLIENT_TRACE);
+    assert!(
+        got.iter().any(|g| g.span.kind == 2),
+        "the server span was exported before the exit: {got:#?}"
+    );
+}
+
 /// The dropped-span counter of a gateway's `/metrics`.
 async fn spans_dropped(admin: SocketAddr) -> f64 {
     let r = send(
