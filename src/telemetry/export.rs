@@ -7,8 +7,8 @@
 //! Invariants:
 //! - [`Queue::on_end`] (on a request's path) never blocks and never waits for the network:
 //!   one `try_send` on a bounded channel; a full queue drops the span and counts it in
-//!   `dropped`. It does not wake the exporter thread either, but when the queue reaches half
-//!   its bound: the thread is not parked on the channel (a wake-up per span cost a context
+//!   `dropped`. It does not wake the exporter thread either, but when the queue holds a full
+//!   batch (or a quarter of its bound, if less): the thread is not parked on the channel (a wake-up per span cost a context
 //!   switch and a futex call on the request's thread, about half of what a traced request
 //!   cost), it polls it every [`POLL`] and sends a batch when one is full or its first span
 //!   has waited [`BATCH_DELAY`].
@@ -64,7 +64,8 @@ pub(super) struct Queue {
     stopped: AtomicBool,
     /// Spans sent and not yet taken by the exporter thread (never fewer than there are).
     queued: Arc<AtomicUsize>,
-    /// The count at which a span wakes the exporter thread: half the queue's bound.
+    /// The count at which a span wakes the exporter thread: a full batch, or a quarter of
+    /// the queue's bound when that is less.
     wake_at: usize,
     exporter: std::thread::Thread,
 }
@@ -93,7 +94,9 @@ impl Queue {
         let settings = settings.clone();
         let queued = Arc::new(AtomicUsize::new(0));
         let taken = Arc::clone(&queued);
-        let wake_at = (settings.max_queue_spans / 2).max(1);
+        // A full batch, or a quarter of the bound when that is less: the room left takes
+        // what arrives while the thread wakes and sends.
+        let wake_at = (settings.max_queue_spans / 4).clamp(1, MAX_BATCH);
         let thread = std::thread::Builder::new()
             .name("idemgate-traces".into())
             .spawn(move || {
@@ -245,7 +248,7 @@ impl Exporter {
     }
 }
 
-/// The exporter thread: takes what is queued (woken at half the queue's bound, or every
+/// The exporter thread: takes what is queued (woken when a full batch is queued, or every
 /// [`POLL`]), and sends a batch of up to [`MAX_BATCH`] spans when it is full or
 /// [`BATCH_DELAY`] after its first span, each send bounded by `timeout`.
 fn export_loop(
