@@ -437,6 +437,88 @@ async fn spans_still_queued_are_exported_at_shutdown() {
     );
 }
 
+/// A duplicate that arrives while the first attempt is upstream waits in a `wait` span under
+/// its server span, which says `coalesced`; the first attempt's says `forwarded`. (A gateway
+/// in this process: `App::build` reads `telemetry` as `serve` does.)
+#[tokio::test]
+async fn a_duplicate_in_flight_waits_in_a_wait_span() {
+    let (up, gate) = Upstream::start_gated().await;
+    let db = pg::fresh_database().await;
+    let (collector, received, _) = http_receiver().await;
+    let yaml = format!(
+        "{}telemetry:\n  otlp: {{ endpoint: \"http://{collector}\" }}\n",
+        config_yaml(&db, &up.url(), "")
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let first = in_flight(&gw.url("/pay"), &up, "acct-w", "k-wait", "{}").await;
+    let claims = || {
+        let text = gw.gateway.render_metrics(idemgate::metrics::Format::Text);
+        metric(&text, "idemgate_store_latency_seconds_count{op=\"claim\"}")
+    };
+    let before = claims();
+    let second = in_flight_try_no_wait(&gw.url("/pay"), "acct-w", "k-wait");
+    // Its claim found the key in flight: from there it waits for the first's answer.
+    wait_until(
+        "the duplicate has claimed",
+        Duration::from_secs(10),
+        || async { claims() > before },
+    )
+    .await;
+    gate.open();
+    assert_eq!(first.await.unwrap().status, 201);
+    let dup = second.await.unwrap();
+    assert_eq!(dup.status, 201);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (server, wait) = loop {
+        let spans = received.spans();
+        let coalesced = spans
+            .iter()
+            .find(|g| g.attr("idemgate.outcome").as_deref() == Some("coalesced"))
+            .cloned();
+        if let Some(server) = coalesced
+            && let Some(wait) = spans
+                .iter()
+                .find(|g| g.span.name == "wait" && g.parent_id() == server.span_id())
+        {
+            break (server, wait.clone());
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no coalesced server span with a wait child: {spans:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(wait.trace_id(), server.trace_id());
+    assert!(
+        received
+            .spans()
+            .iter()
+            .any(|g| g.attr("idemgate.outcome").as_deref() == Some("forwarded")),
+        "the first attempt's server span"
+    );
+    gw.shutdown().await;
+}
+
+/// A keyed POST sent in the background, not waited for.
+fn in_flight_try_no_wait(url: &str, account: &str, key: &str) -> tokio::task::JoinHandle<Reply> {
+    let (c, url, account, key) = (
+        client(),
+        url.to_string(),
+        account.to_string(),
+        key.to_string(),
+    );
+    tokio::spawn(async move {
+        send(
+            &c,
+            Method::POST,
+            &url,
+            &[("idempotency-key", &key), ("x-account-id", &account)],
+            "{}",
+        )
+        .await
+    })
+}
+
 /// The dropped-span counter of a gateway's `/metrics`.
 async fn spans_dropped(admin: SocketAddr) -> f64 {
     let r = send(
