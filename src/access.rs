@@ -104,6 +104,8 @@ pub(crate) struct RequestLog {
     pub(crate) counted_in: Option<Arc<std::sync::atomic::AtomicU64>>,
     /// A passed-on answer's admission, held by the response body until it is done with.
     pub(crate) held: Option<crate::limits::Admission>,
+    /// The request's trace when traces are on (`telemetry`): its forwards are child spans.
+    pub(crate) trace: Option<crate::telemetry::RequestTrace>,
 }
 
 impl RequestLog {
@@ -117,6 +119,7 @@ impl RequestLog {
             bytes_in: None,
             counted_in: None,
             held: None,
+            trace: None,
         }
     }
 }
@@ -143,6 +146,8 @@ pub struct AccessLine {
     /// Request body bytes: known from the body read or `Content-Length`, else counted.
     pub bytes_in: Option<u64>,
     pub error: Option<String>,
+    /// The request's trace (traces on): its server span ends with the line.
+    pub trace: Option<crate::telemetry::RequestTrace>,
 }
 
 fn protocol(v: Version) -> &'static str {
@@ -160,6 +165,9 @@ impl AccessLine {
     /// Writes the line (see the module docs).
     fn emit(&self, bytes_out: u64, counted_in: Option<&AtomicU64>) {
         let route = &*self.route.name;
+        if let Some(trace) = &self.trace {
+            trace.end(route, self.outcome, self.status, self.key_id.as_deref());
+        }
         let key = self.key_id.as_deref().unwrap_or("");
         let upstream_us = self.upstream.map_or(-1, |d| d.as_micros() as i64);
         let took = self.started.elapsed();

@@ -40,6 +40,10 @@ pub enum AppError {
     Serve(String),
     #[error("this build has no embedded store")]
     NoEmbeddedStore,
+    /// Traces are asked for but cannot be set up (a bad `OTEL_*` variable, an exporter that
+    /// cannot start).
+    #[error("{0}")]
+    Telemetry(String),
 }
 
 /// The sockets a gateway serves on, bound by the caller.
@@ -83,6 +87,11 @@ impl App {
         for warning in config.warnings() {
             tracing::warn!("{warning}");
         }
+        // The file's `telemetry` with the standard `OTEL_*` variables over it.
+        let traces = crate::telemetry::Settings::resolve(&config.telemetry, &|name| {
+            std::env::var(name).ok()
+        })
+        .map_err(AppError::Telemetry)?;
         let config = Arc::new(config);
         let (store, postgres) = open(&config)?;
         let prepared = match prepare_store(store.as_ref()).await {
@@ -97,7 +106,10 @@ impl App {
             }
         };
         // Starts the store's background work too (the wake-up listener).
-        let gateway = Arc::new(Gateway::new(Arc::clone(&config), Arc::clone(&store)));
+        let gateway = Arc::new(
+            Gateway::with_traces(Arc::clone(&config), Arc::clone(&store), traces.as_ref())
+                .map_err(AppError::Telemetry)?,
+        );
         if prepared {
             gateway.readiness().store_ready();
         }
@@ -213,8 +225,17 @@ impl App {
                 }
             }
         };
-        let served = serve(listeners.main, gateway, &config.server, stop).await;
+        let served = serve(listeners.main, Arc::clone(&gateway), &config.server, stop).await;
         let _ = stop_tx.send(true);
+        if let Some(telemetry) = gateway.telemetry().cloned() {
+            // The spans of the last requests, bounded: a collector that does not answer
+            // holds the exit up by at most this long.
+            let bound = config
+                .telemetry
+                .timeout
+                .min(std::time::Duration::from_secs(5));
+            let _ = tokio::task::spawn_blocking(move || telemetry.shutdown(bound)).await;
+        }
         if let Some(e) = refused.lock().expect("refusal lock").take() {
             return Err(e.into());
         }

@@ -32,6 +32,8 @@
 //! - [`replay`]: stored response ⇄ HTTP response, header allow-list.
 //! - [`problem`]: every client-visible error and the one status table.
 //! - [`metrics`]: the Prometheus metrics and the outcome names they count.
+//! - [`telemetry`]: traces over OTLP (off unless configured): spans per request, exported
+//!   off the request path through a bounded queue.
 //! - [`admin`]: health, readiness (draining, store trouble) and the key API on `admin.listen`.
 //! - [`keys`]: operator lookups and deletes of stored keys (key API and `idemgate keys`).
 //! - [`app`]: the one wiring path (`App::build`, `App::run`) that `serve` and the tests use.
@@ -75,6 +77,7 @@ pub(crate) mod serialize;
 pub mod server;
 pub(crate) mod shard;
 pub mod store;
+pub mod telemetry;
 pub(crate) mod timer;
 pub mod tls;
 pub(crate) mod tunnel;

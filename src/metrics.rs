@@ -31,6 +31,9 @@
 //!   would have done with a request that was forwarded instead (see [`observed`]).
 //! - `idemgate_client_connections`, `idemgate_reloads_total{result}`,
 //!   `idemgate_gc_runs_total{result}`, `idemgate_gc_rows_total`, `idemgate_build_info{version}`.
+//! - `idemgate_trace_spans_dropped_total` and `idemgate_trace_spans_exported_total`: spans
+//!   of traces (`telemetry`) lost (queue full, export failed) and accepted by the collector;
+//!   0 while tracing is off.
 //! - `process_*` (`process.rs`): CPU, memory, file descriptors and start time, read from
 //!   `/proc/self` when scraped.
 //!
@@ -175,6 +178,8 @@ pub struct Metrics {
     pub reloads: Family<ResultLabel, Counter>,
     pub gc_runs: Family<ResultLabel, Counter>,
     pub gc_rows: Counter,
+    /// Spans dropped (queue full, or export failed) and spans exported (traces, src/telemetry/).
+    pub trace_spans: crate::telemetry::Counters,
     /// Handles resolved once per route, so a request costs no label allocation or hashing
     /// of an owned label set (the families above stay the source of truth).
     per_route: std::sync::RwLock<std::collections::HashMap<String, Arc<RouteHandles>>>,
@@ -383,6 +388,17 @@ impl Metrics {
             "Expired rows deleted by garbage collection",
             gc_rows.clone(),
         );
+        let trace_spans = crate::telemetry::Counters::default();
+        registry.register(
+            "trace_spans_dropped",
+            "Spans not exported: the export queue was full, or the collector failed or timed out",
+            trace_spans.dropped.clone(),
+        );
+        registry.register(
+            "trace_spans_exported",
+            "Spans the OTLP collector accepted",
+            trace_spans.exported.clone(),
+        );
         let mut process = Registry::default();
         process.register_collector(Box::new(process::ProcessCollector));
         let mut m = Metrics {
@@ -406,6 +422,7 @@ impl Metrics {
             reloads,
             gc_runs,
             gc_rows,
+            trace_spans,
             per_route: Default::default(),
             // Replaced just below by the registered handles of `route=""`.
             unrouted: Arc::new(RouteHandles::new(

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
-use super::model::{InFlight, LogFormat, Mode, OnStoreError, OnUnknownOutcome};
+use super::model::{InFlight, LogFormat, Mode, OnStoreError, OnUnknownOutcome, OtlpProtocol};
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -41,6 +41,40 @@ pub(super) struct RawConfig {
     pub(super) replay_cache: Option<RawReplayCache>,
     /// `log`: how log lines are written. Default `{ format: text }`.
     pub(super) log: Option<RawLog>,
+    /// `telemetry`: traces exported over OTLP. Default: none, so no traces (unless the
+    /// standard `OTEL_EXPORTER_OTLP_*` variables name a collector; src/telemetry/).
+    pub(super) telemetry: Option<RawTelemetry>,
+}
+
+/// `telemetry`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTelemetry {
+    /// `telemetry.service_name`: the `service.name` of the spans. Default `idemgate`.
+    pub(super) service_name: Option<String>,
+    /// `telemetry.sampling_ratio`: the share of new traces recorded, `0.0` to `1.0`; a
+    /// client's sampled flag is followed whatever it is. Default `1.0`.
+    pub(super) sampling_ratio: Option<f64>,
+    /// `telemetry.otlp`: where spans are sent. Default: nowhere.
+    pub(super) otlp: Option<RawOtlp>,
+}
+
+/// `telemetry.otlp`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOtlp {
+    /// `telemetry.otlp.endpoint`: the collector's URL, `http://` or `https://` (`https`
+    /// only with `http/protobuf`). Over HTTP a URL without a path gets `/v1/traces`.
+    pub(super) endpoint: Option<String>,
+    /// `telemetry.otlp.protocol`: `http/protobuf` (default) or `grpc`.
+    pub(super) protocol: Option<OtlpProtocol>,
+    /// `telemetry.otlp.headers`: headers sent with every export (e.g. an API key).
+    pub(super) headers: Option<BTreeMap<String, String>>,
+    /// `telemetry.otlp.timeout`: the bound on one export, retries included. Default `10s`.
+    pub(super) timeout: Option<String>,
+    /// `telemetry.otlp.max_queue_spans`: spans waiting for export; past it new ones are
+    /// dropped (and counted). Default `2048`.
+    pub(super) max_queue_spans: Option<usize>,
 }
 
 /// `log`.

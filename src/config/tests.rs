@@ -335,3 +335,76 @@ fn unknown_upstream_is_named() {
         "routes[0].upstream: no upstream named 'nope' (known: app)"
     );
 }
+
+#[test]
+fn telemetry_is_off_by_default_and_read_with_its_defaults() {
+    let c = Config::from_yaml_with_env(MINIMAL, &|_| None).unwrap();
+    assert_eq!(c.telemetry, TelemetryConfig::default());
+    assert!(c.telemetry.endpoint.is_none());
+    let yaml = format!(
+        "{MINIMAL}telemetry:\n  service_name: edge\n  sampling_ratio: 0.25\n  otlp:\n    endpoint: http://collector:4318\n    protocol: grpc\n    headers: {{ x-api-key: s3cret }}\n    timeout: 2s\n    max_queue_spans: 100\n"
+    );
+    let t = Config::from_yaml_with_env(&yaml, &|_| None)
+        .unwrap()
+        .telemetry;
+    assert_eq!(t.endpoint.unwrap().to_string(), "http://collector:4318/");
+    assert_eq!(t.protocol, OtlpProtocol::Grpc);
+    assert_eq!(t.service_name, "edge");
+    assert_eq!(t.sampling_ratio, 0.25);
+    assert_eq!(t.timeout, Duration::from_secs(2));
+    assert_eq!(t.max_queue_spans, 100);
+    assert_eq!(t.headers[0].0.as_str(), "x-api-key");
+}
+
+#[test]
+fn telemetry_errors_name_their_yaml_path() {
+    let with = |section: &str| err(&format!("{MINIMAL}telemetry:\n{section}"));
+    assert_eq!(
+        with("  sampling_ratio: 1.5\n"),
+        "telemetry.sampling_ratio: must be between 0.0 and 1.0, got 1.5"
+    );
+    assert_eq!(
+        with("  sampling_ratio: -0.1\n"),
+        "telemetry.sampling_ratio: must be between 0.0 and 1.0, got -0.1"
+    );
+    assert_eq!(
+        with("  otlp: { endpoint: 'collector:4318' }\n"),
+        "telemetry.otlp.endpoint: 'collector:4318' is not an http:// or https:// URL with a host"
+    );
+    assert!(
+        with("  otlp: { endpoint: 'https://collector:4317', protocol: grpc }\n")
+            .starts_with("telemetry.otlp.endpoint: 'https://collector:4317': https is not supported with protocol grpc"),
+    );
+    assert!(with("  otlp: { protocol: http/json }\n").starts_with("telemetry.otlp.protocol: "));
+    assert_eq!(
+        with("  otlp: { timeout: 0s }\n"),
+        "telemetry.otlp.timeout: must be greater than zero"
+    );
+    assert_eq!(
+        with("  otlp: { max_queue_spans: 0 }\n"),
+        "telemetry.otlp.max_queue_spans: must be between 1 and 1000000, got 0"
+    );
+    let bad_value = with("  otlp: { headers: { authorization: \"Bearer a\\nb\" } }\n");
+    assert_eq!(
+        bad_value,
+        "telemetry.otlp.headers.authorization: the value is not a valid header value"
+    );
+    assert_eq!(
+        with("  service_name: ''\n"),
+        "telemetry.service_name: must not be empty"
+    );
+    assert!(with("  sampling: 1\n").starts_with("telemetry.sampling: unknown field `sampling`"));
+}
+
+#[test]
+fn telemetry_headers_are_not_printed_by_debug() {
+    let yaml = format!(
+        "{MINIMAL}telemetry:\n  otlp:\n    endpoint: http://c:4318\n    headers: {{ x-api-key: s3cret }}\n"
+    );
+    let c = Config::from_yaml_with_env(&yaml, &|_| None).unwrap();
+    let printed = format!("{c:?}");
+    assert!(
+        printed.contains("x-api-key") && !printed.contains("s3cret"),
+        "{printed}"
+    );
+}

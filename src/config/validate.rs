@@ -3,7 +3,7 @@
 //!
 //! `validate` calls one function per top-level section, in this order: `listen`, `admin`,
 //! `server`, `store` (with `store.gc`), `upstreams`, `routes` (each route's `idempotency` in
-//! `validate_idempotency`), `replay_cache` and `log`. The first problem found is the one
+//! `validate_idempotency`), `replay_cache`, `log` and `telemetry`. The first problem found is the one
 //! reported, so the order is part of the behaviour. Sections validated later may depend on
 //! earlier ones: a route needs its upstream, the store's record bound and
 //! `server.max_buffered_bytes`.
@@ -14,11 +14,12 @@ use std::net::SocketAddr;
 use super::fields::*;
 use super::model::{
     AdminConfig, Config, ConfigError, GcConfig, LogFormat, PgTlsMode, Pooler, PostgresConfig,
-    ServerConfig, SqliteConfig, StoreConfig, TlsFiles, UpstreamConfig, defaults, invalid,
+    ServerConfig, SqliteConfig, StoreConfig, TelemetryConfig, TlsFiles, UpstreamConfig, defaults,
+    invalid,
 };
 use super::raw::{
     RawAdmin, RawConfig, RawLog, RawPostgres, RawReplayCache, RawServer, RawSqlite, RawStore,
-    RawUpstream,
+    RawTelemetry, RawUpstream,
 };
 use super::routes::{validate_extra_methods, validate_routes};
 use super::units::fmt_duration;
@@ -34,6 +35,7 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
     let routes = validate_routes(raw.routes, &upstreams, &store, &server, &extra)?;
     let replay_cache_bytes = validate_replay_cache(raw.replay_cache.as_ref())?;
     let log_format = validate_log(raw.log);
+    let telemetry = validate_telemetry(raw.telemetry)?;
     Ok(Config {
         listen,
         admin,
@@ -42,6 +44,7 @@ pub(super) fn validate(raw: RawConfig) -> Result<Config, ConfigError> {
         gc,
         replay_cache_bytes,
         log_format,
+        telemetry,
         upstreams,
         routes,
     })
@@ -454,4 +457,63 @@ fn validate_replay_cache(raw: Option<&RawReplayCache>) -> Result<usize, ConfigEr
 /// `log`: nothing to check beyond what serde did.
 fn validate_log(raw: Option<RawLog>) -> LogFormat {
     raw.and_then(|l| l.format).unwrap_or_default()
+}
+
+/// `telemetry`: the collector's URL and protocol, the export's headers and bounds, the
+/// sampling ratio. Nothing here turns tracing on by itself but an endpoint.
+fn validate_telemetry(raw: Option<RawTelemetry>) -> Result<TelemetryConfig, ConfigError> {
+    let mut out = TelemetryConfig::default();
+    let Some(raw) = raw else {
+        return Ok(out);
+    };
+    if let Some(name) = raw.service_name {
+        if name.trim().is_empty() {
+            return Err(invalid("telemetry.service_name", "must not be empty"));
+        }
+        out.service_name = name;
+    }
+    if let Some(ratio) = raw.sampling_ratio {
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(invalid(
+                "telemetry.sampling_ratio",
+                format!("must be between 0.0 and 1.0, got {ratio}"),
+            ));
+        }
+        out.sampling_ratio = ratio;
+    }
+    let Some(otlp) = raw.otlp else {
+        return Ok(out);
+    };
+    out.protocol = otlp.protocol.unwrap_or_default();
+    if let Some(endpoint) = otlp.endpoint {
+        let uri = out
+            .protocol
+            .endpoint(&endpoint)
+            .map_err(|m| invalid("telemetry.otlp.endpoint", m))?;
+        out.endpoint = Some(uri);
+    }
+    for (name, value) in otlp.headers.unwrap_or_default() {
+        let path = format!("telemetry.otlp.headers.{name}");
+        let header = http::HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid(&path, "not a valid header name"))?;
+        // The value is never echoed: it is often a credential.
+        let value = http::HeaderValue::from_str(&value)
+            .map_err(|_| invalid(&path, "the value is not a valid header value"))?;
+        out.headers.push((header, value));
+    }
+    out.timeout = duration_or(
+        "telemetry.otlp.timeout",
+        otlp.timeout.as_ref(),
+        defaults::OTLP_TIMEOUT,
+    )?;
+    if let Some(n) = otlp.max_queue_spans {
+        if !(1..=1_000_000).contains(&n) {
+            return Err(invalid(
+                "telemetry.otlp.max_queue_spans",
+                format!("must be between 1 and 1000000, got {n}"),
+            ));
+        }
+        out.max_queue_spans = n;
+    }
+    Ok(out)
 }

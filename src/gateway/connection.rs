@@ -119,6 +119,9 @@ impl Gateway {
             .or_else(|| hyper::body::Body::is_end_stream(req.body()).then_some(0));
         let (method, uri, version) = (req.method().clone(), req.uri().clone(), req.version());
         let mut log = RequestLog::new(outcome::PROXIED);
+        if let Some(telemetry) = &self.telemetry {
+            log.trace = Some(telemetry.server_span(req.method(), req.headers()));
+        }
         let (mut resp, error) = match self
             .route_request(routing, req, client, connection, &mut log)
             .await
@@ -173,6 +176,7 @@ impl Gateway {
             upstream: log.upstream,
             bytes_in: log.bytes_in.or(declared_in),
             error: error.map(|e| e.to_string()),
+            trace: log.trace.take(),
         };
         let (parts, body) = resp.into_parts();
         let body = crate::access::Logged::new(body, line, log.counted_in, log.held);

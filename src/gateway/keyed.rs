@@ -155,6 +155,7 @@ impl Gateway {
             fp,
             cache_epoch: cache.map(|(_, epoch)| epoch),
             admission,
+            trace: log.trace.clone(),
         };
         // Awaited by its handle: dropping the handle (the client hung up) does not cancel it.
         // Boxed: `tokio::spawn` moves its future whole several times and writes the task's
@@ -255,18 +256,23 @@ impl KeyedRequest {
                     &self.client,
                     Some((&idem.forward_key_header, key)),
                 );
+                let trace = self.trace.clone();
                 // Boxed, as the other rare ways below: `tokio::spawn` moves this future whole.
                 Box::pin(async move {
                     if let Err(e) = slot {
                         return (Err(e), outcome::OVERLOADED, None);
                     }
                     let mut log = RequestLog::new(log_outcome);
+                    log.trace = trace;
                     let result = proxy(upstream, request, &mut log, admission, None).await;
                     (result, log_outcome, log.upstream)
                 })
             };
         let mut claimed_at = Instant::now();
-        let claimed = { gateway.store.claim(claim).await };
+        let claimed = {
+            let _span = self.trace.as_ref().map(|t| t.child("claim"));
+            gateway.store.claim(claim).await
+        };
         let first = match claimed {
             Ok(found) => found,
             Err(e) if observe => {
@@ -281,6 +287,7 @@ impl KeyedRequest {
                 }
                 let out = upstream.prepare(parts, full(body), &self.client, None);
                 let mut log = RequestLog::new(outcome::BYPASSED);
+                log.trace = self.trace.clone();
                 let result = Box::pin(proxy(upstream, out, &mut log, admission, None))
                     .await
                     .map(|mut resp| {
@@ -318,6 +325,7 @@ impl KeyedRequest {
             }
             Claim::InFlight { .. } => {
                 let deadline = Instant::now() + idem.wait_timeout;
+                let _span = self.trace.as_ref().map(|t| t.child("wait"));
                 match Box::pin(wait_in_flight(
                     gateway.store.as_ref(),
                     &gateway.inflight,

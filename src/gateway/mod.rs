@@ -86,6 +86,8 @@ pub struct Gateway {
     /// The listener's certificate (`server.tls`), loaded by the first serving thread and
     /// shared by all; SIGHUP reads its files again.
     listener_cert: std::sync::Mutex<Option<Arc<crate::tls::ListenerCert>>>,
+    /// The tracer when traces are on (`telemetry`); `None`: a request makes no span.
+    pub(crate) telemetry: Option<Arc<crate::telemetry::Telemetry>>,
 }
 
 /// What `/readyz` needs to know besides the store's own answer (see `admin.rs`).
@@ -166,7 +168,18 @@ impl Drop for JobGuard {
 }
 
 impl Gateway {
+    /// A gateway without traces.
     pub fn new(config: Arc<Config>, store: Arc<dyn Store>) -> Gateway {
+        Gateway::with_traces(config, store, None).expect("nothing to start without traces")
+    }
+
+    /// A gateway whose requests are traced as `traces` says (`None`: not traced); fails
+    /// only when the exporter cannot start.
+    pub fn with_traces(
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        traces: Option<&crate::telemetry::Settings>,
+    ) -> Result<Gateway, String> {
         let inflight = Arc::new(Wakeups::new(config.replay_cache_bytes));
         store.start_background(Arc::clone(&inflight) as Arc<dyn crate::store::Announce>);
         let metrics = Arc::new(Metrics::new(store.metrics()));
@@ -180,6 +193,9 @@ impl Gateway {
         ));
         let limits = std::sync::Mutex::default();
         metrics.configure(&config);
+        let telemetry = traces
+            .map(|t| crate::telemetry::Telemetry::start(t, metrics.trace_spans.clone()))
+            .transpose()?;
         let routing = Routing::new(
             config,
             &LimitRegistry {
@@ -187,7 +203,7 @@ impl Gateway {
                 metrics: &metrics,
             },
         );
-        Gateway {
+        Ok(Gateway {
             routing: RwLock::new(Arc::new(routing)),
             generation: std::sync::atomic::AtomicU64::new(0),
             store,
@@ -199,7 +215,13 @@ impl Gateway {
             budget,
             readiness: Readiness::default(),
             listener_cert: std::sync::Mutex::default(),
-        }
+            telemetry,
+        })
+    }
+
+    /// The tracer, when traces are on.
+    pub fn telemetry(&self) -> Option<&Arc<crate::telemetry::Telemetry>> {
+        self.telemetry.as_ref()
     }
 
     /// Draining and store readiness, for `/readyz` and the shutdown path.
@@ -306,6 +328,10 @@ impl Gateway {
         if old.log_format != config.log_format {
             restart_needed.push("log");
             config.log_format = old.log_format;
+        }
+        if old.telemetry != config.telemetry {
+            restart_needed.push("telemetry");
+            config.telemetry = old.telemetry.clone();
         }
         self.metrics.configure(&config);
         let routing = Routing::new(

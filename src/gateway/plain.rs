@@ -17,11 +17,12 @@ use crate::problem::GatewayError;
 /// admission is held by the response body until it has been passed on (or dropped).
 pub(super) async fn proxy(
     upstream: &UpstreamClient,
-    req: Request<Body>,
+    mut req: Request<Body>,
     log: &mut RequestLog,
     admission: Admission,
     timer: Option<&crate::timer::Spare>,
 ) -> Result<Response<Body>, GatewayError> {
+    let _span = log.trace.as_ref().map(|t| t.forward(req.headers_mut()));
     let started = Instant::now();
     let sent = upstream.send_streamed(req, timer).await;
     log.upstream = Some(started.elapsed());
@@ -33,12 +34,13 @@ pub(super) async fn proxy(
 /// answer is passed on as by [`proxy`].
 pub(super) async fn tunnel(
     upstream: &UpstreamClient,
-    req: Request<Body>,
+    mut req: Request<Body>,
     log: &mut RequestLog,
     hold: (Admission, Option<crate::limits::ConnectionSlot>),
     on_client: hyper::upgrade::OnUpgrade,
     route: &str,
 ) -> Result<Response<Body>, GatewayError> {
+    let _span = log.trace.as_ref().map(|t| t.forward(req.headers_mut()));
     let started = Instant::now();
     let sent = upstream.send(req).await;
     log.upstream = Some(started.elapsed());

@@ -138,7 +138,7 @@ impl Claimed {
     /// Forwards once and records the outcome.
     async fn forward(
         &mut self,
-        request: Request<Body>,
+        mut request: Request<Body>,
         took: &mut Option<Duration>,
     ) -> Result<Response<Body>, GatewayError> {
         let routing = Arc::clone(&self.request.routing);
@@ -146,6 +146,11 @@ impl Claimed {
         let started = Instant::now();
         let limit = idem.max_stored_response;
         let held = &mut self.request.admission.bytes;
+        let span = self
+            .request
+            .trace
+            .as_ref()
+            .map(|t| t.forward(request.headers_mut()));
         let exchange = async {
             let resp = upstream.send_streamed(request, None).await?;
             let (parts, body) = resp.into_parts();
@@ -160,6 +165,7 @@ impl Claimed {
             Err(_) => Err(UpstreamError::Timeout),
         };
         *took = Some(started.elapsed());
+        drop(span);
         match result {
             Err(UpstreamError::Connect(e)) => {
                 self.finish(Outcome::Release, idem.ttl).await.ok();
@@ -276,6 +282,7 @@ impl Claimed {
     /// One fenced write; `Ok(false)`: nothing was written (the lease was lost, or an
     /// earlier try wrote it), and our client still gets what the upstream said.
     async fn finish(&self, outcome: Outcome, ttl: Duration) -> Result<bool, StoreError> {
+        let _span = self.request.trace.as_ref().map(|t| t.child("record"));
         self.request
             .gateway
             .store

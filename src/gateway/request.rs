@@ -31,6 +31,9 @@ pub(super) struct KeyedRequest {
     /// The buffered bytes (and, once forwarded, the upstream slot), held until this task
     /// ends.
     pub(super) admission: Admission,
+    /// The request's trace (traces on): the claim, the wait, the forward and the record
+    /// are its child spans.
+    pub(super) trace: Option<crate::telemetry::RequestTrace>,
 }
 
 impl KeyedRequest {

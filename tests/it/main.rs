@@ -37,5 +37,6 @@ mod store_claim;
 mod store_outage;
 mod support;
 mod tls;
+mod traces;
 mod upstream_connections;
 mod upstream_faults;
