@@ -39,6 +39,7 @@ mod pg_url;
 mod raw;
 mod routes;
 mod shadow;
+mod telemetry;
 #[cfg(test)]
 mod tests;
 mod units;
