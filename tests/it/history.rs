@@ -71,6 +71,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
+use crate::support::history::{Rng, drop_database, seeds};
 use crate::support::process::GatewayProcess;
 use crate::support::*;
 
@@ -83,24 +84,6 @@ const EVENTS_PER_SENDER: usize = 8;
 /// After this, an event without a 2xx is lost.
 const GIVE_UP: Duration = Duration::from_secs(45);
 const ACCOUNT: &str = "acct";
-
-/// splitmix64: small, deterministic, good enough for schedules.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// In `lo..hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo)
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum UpstreamMode {
@@ -492,20 +475,6 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
     (cluster, result)
 }
 
-/// Drops a seed's database once its history is read, so a long soak does not fill the disk.
-async fn drop_database(db: &str) {
-    let Some((base, name)) = db.rsplit_once('/') else {
-        return;
-    };
-    let admin = sql(&format!("{base}/postgres")).await;
-    if let Err(e) = admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .await
-    {
-        println!("could not drop {name}: {e}");
-    }
-}
-
 /// The four checks; on failure, the violations and the events involved.
 fn check(
     events: &[String],
@@ -622,28 +591,12 @@ fn check(
     }
 }
 
-fn seeds() -> Vec<u64> {
-    if let Some(one) = std::env::var("HISTORY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        return vec![one];
-    }
-    match std::env::var("HISTORY_SEEDS")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-    {
-        Some(n) => (1..=n).collect(),
-        None => CI_SEEDS.to_vec(),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_history_under_generated_faults_loses_nothing_and_counts_every_double() {
     let mut cluster = pg::Cluster::start_async().await;
     let mut failures = Vec::new();
     let (mut takeovers, mut unknown, mut doubles) = (0, 0, 0);
-    let seeds = seeds();
+    let seeds = seeds(CI_SEEDS);
     for &seed in &seeds {
         let (c, result) = run_seed(seed, cluster).await;
         cluster = c;

@@ -100,6 +100,7 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::support::history::{Rng, drop_database, seeds};
 use crate::support::pg::Stopped;
 use crate::support::process::GatewayProcess;
 use crate::support::*;
@@ -123,22 +124,6 @@ const LOG_CLOCK_SLACK_MS: i64 = 20;
 /// A statement caught by a freeze or a pause fails up to its bounds (1s statement, up to
 /// 900ms for a connection) after the fault ends, and may have been sent just before it began.
 const FAULT_SLACK_MS: i64 = 3000;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo)
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Kind {
@@ -1145,19 +1130,6 @@ async fn run_seed(seed: u64, cluster: pg::Cluster) -> (pg::Cluster, Result<Summa
     (cluster, result)
 }
 
-async fn drop_database(db: &str) {
-    let Some((base, name)) = db.rsplit_once('/') else {
-        return;
-    };
-    let admin = sql(&format!("{base}/postgres")).await;
-    if let Err(e) = admin
-        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-        .await
-    {
-        println!("could not drop {name}: {e}");
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn check(
     events: &[String],
@@ -1428,28 +1400,12 @@ fn check(
     }
 }
 
-fn seeds() -> Vec<u64> {
-    if let Some(one) = std::env::var("HISTORY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-    {
-        return vec![one];
-    }
-    match std::env::var("HISTORY_SEEDS")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-    {
-        Some(n) => (1..=n).collect(),
-        None => CI_SEEDS.to_vec(),
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_history_with_paused_instances_keeps_the_fenced_answer_and_explains_every_double() {
     let mut cluster = pg::Cluster::start_async().await;
     let mut failures = Vec::new();
     let (mut lost, mut fenced, mut takeovers) = (0, 0, 0);
-    let seeds = seeds();
+    let seeds = seeds(CI_SEEDS);
     for &seed in &seeds {
         let (c, result) = run_seed(seed, cluster).await;
         cluster = c;

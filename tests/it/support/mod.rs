@@ -4,6 +4,7 @@
 pub mod bin;
 pub mod certs;
 pub mod fault_proxy;
+pub mod history;
 pub mod pg;
 pub mod pgbouncer;
 pub mod process;
