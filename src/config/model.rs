@@ -9,7 +9,7 @@ use std::time::Duration;
 use http::{HeaderName, Method};
 use serde::Deserialize;
 
-pub use super::telemetry::{OtlpProtocol, TelemetryConfig};
+pub use super::telemetry::{ExportHeaders, OtlpProtocol, TelemetryConfig};
 
 /// A configuration error: the YAML path it concerns and what is wrong there.
 #[derive(Debug, thiserror::Error)]
@@ -80,7 +80,7 @@ impl Default for TelemetryConfig {
         TelemetryConfig {
             endpoint: None,
             protocol: OtlpProtocol::default(),
-            headers: Vec::new(),
+            headers: ExportHeaders::default(),
             service_name: defaults::SERVICE_NAME.to_string(),
             sampling_ratio: 1.0,
             timeout: defaults::OTLP_TIMEOUT,

@@ -50,13 +50,13 @@ impl OtlpProtocol {
 }
 
 /// `telemetry`, validated: what the file says, before the `OTEL_*` variables are applied.
-#[derive(Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TelemetryConfig {
     /// `telemetry.otlp.endpoint` as written (checked: `http` or `https` with a host).
     pub endpoint: Option<http::Uri>,
     pub protocol: OtlpProtocol,
     /// Sent with every export; the values may be secrets and are never printed.
-    pub headers: Vec<(http::HeaderName, http::HeaderValue)>,
+    pub headers: ExportHeaders,
     pub service_name: String,
     /// `0.0..=1.0`: the share of new traces (no sampled parent) recorded.
     pub sampling_ratio: f64,
@@ -66,17 +66,28 @@ pub struct TelemetryConfig {
     pub max_queue_spans: usize,
 }
 
-impl std::fmt::Debug for TelemetryConfig {
+/// The headers sent with every export, in order. `Debug` prints their names only: the values
+/// are often credentials.
+#[derive(Clone, Default, PartialEq)]
+pub struct ExportHeaders(pub Vec<(http::HeaderName, http::HeaderValue)>);
+
+impl std::ops::Deref for ExportHeaders {
+    type Target = Vec<(http::HeaderName, http::HeaderValue)>;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for ExportHeaders {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl std::fmt::Debug for ExportHeaders {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let headers: Vec<_> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
-        f.debug_struct("TelemetryConfig")
-            .field("endpoint", &self.endpoint)
-            .field("protocol", &self.protocol)
-            .field("headers", &headers)
-            .field("service_name", &self.service_name)
-            .field("sampling_ratio", &self.sampling_ratio)
-            .field("timeout", &self.timeout)
-            .field("max_queue_spans", &self.max_queue_spans)
+        f.debug_list()
+            .entries(self.0.iter().map(|(n, _)| n.as_str()))
             .finish()
     }
 }

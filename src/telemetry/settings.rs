@@ -8,36 +8,21 @@ use std::time::Duration;
 
 use http::{HeaderName, HeaderValue, Uri};
 
-use crate::config::{OtlpProtocol, TelemetryConfig};
+use crate::config::{ExportHeaders, OtlpProtocol, TelemetryConfig};
 
 /// Where and how spans go: the file's `telemetry` section with the environment applied.
-#[derive(Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     /// The URL spans are sent to: over HTTP the full path (`/v1/traces`), over gRPC the
     /// collector's origin.
     pub endpoint: Uri,
     pub protocol: OtlpProtocol,
-    /// Sent with every export; never printed (see the `Debug` impl).
-    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Sent with every export; their values are never printed.
+    pub headers: ExportHeaders,
     pub service_name: String,
     pub sampling_ratio: f64,
     pub timeout: Duration,
     pub max_queue_spans: usize,
-}
-
-impl std::fmt::Debug for Settings {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let headers: Vec<_> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
-        f.debug_struct("Settings")
-            .field("endpoint", &self.endpoint)
-            .field("protocol", &self.protocol)
-            .field("headers", &headers)
-            .field("service_name", &self.service_name)
-            .field("sampling_ratio", &self.sampling_ratio)
-            .field("timeout", &self.timeout)
-            .field("max_queue_spans", &self.max_queue_spans)
-            .finish()
-    }
 }
 
 /// The OTLP path of traces over HTTP.
@@ -214,10 +199,10 @@ mod tests {
     fn file(endpoint: Option<&str>) -> TelemetryConfig {
         TelemetryConfig {
             endpoint: endpoint.map(|e| e.parse().unwrap()),
-            headers: vec![(
+            headers: ExportHeaders(vec![(
                 HeaderName::from_static("x-api-key"),
                 HeaderValue::from_static("from-file"),
-            )],
+            )]),
             ..TelemetryConfig::default()
         }
     }
