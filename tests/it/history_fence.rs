@@ -250,7 +250,8 @@ struct Exec {
 /// What the next request on a listener triggers.
 enum Arm {
     None,
-    /// Tell the lane (event), wait for `go` (the instance is stopped), hold, answer.
+    /// Tell the lane (event), wait for `go` (the instance is stopped, or the row locked), hold,
+    /// answer.
     Paused {
         told: oneshot::Sender<String>,
         go: oneshot::Receiver<()>,
@@ -260,11 +261,6 @@ enum Arm {
     Takeover {
         event: String,
         told: oneshot::Sender<()>,
-    },
-    /// Tell the lane (event), wait for `go` (the row is locked), answer.
-    Lock {
-        told: oneshot::Sender<String>,
-        go: oneshot::Receiver<()>,
     },
     /// The next `left` requests: each tells the lane its event and where to say `go`, and
     /// is answered when the lane says so.
@@ -407,10 +403,6 @@ async fn execute(
         Arm::Takeover { told, .. } => {
             let _ = told.send(());
             tokio::time::sleep(Duration::from_millis(TAKEOVER_HOLD_MS)).await;
-        }
-        Arm::Lock { told, go } => {
-            let _ = told.send(event.clone());
-            let _ = tokio::time::timeout(Duration::from_secs(2), go).await;
         }
         Arm::Hold { told, .. } => {
             let (go, went) = oneshot::channel();
@@ -622,9 +614,15 @@ impl Lane {
         }
     }
 
-    /// Stops `instance` with a request at its upstream, continues it once the other instance
-    /// has taken that key over and is executing it.
-    async fn pause(&mut self, instance: usize, hold_ms: u64) -> bool {
+    /// Holds the next request to reach `instance`'s upstream: its event, and the sender that
+    /// lets the upstream go on (then it holds the request `hold_ms` more and answers); `None`
+    /// (noted as `what`) if no request came within 3s.
+    async fn next_request(
+        &mut self,
+        instance: usize,
+        hold_ms: u64,
+        what: &str,
+    ) -> Option<(String, oneshot::Sender<()>)> {
         let (told, heard) = oneshot::channel();
         let (go, went) = oneshot::channel();
         self.up.arm(
@@ -639,7 +637,16 @@ impl Lane {
             self.up.disarm(instance);
             self.faults
                 .notes
-                .push(format!("pause of {instance}: no request came"));
+                .push(format!("{what} on {instance}: no request came"));
+            return None;
+        };
+        Some((event, go))
+    }
+
+    /// Stops `instance` with a request at its upstream, continues it once the other instance
+    /// has taken that key over and is executing it.
+    async fn pause(&mut self, instance: usize, hold_ms: u64) -> bool {
+        let Some((event, go)) = self.next_request(instance, hold_ms, "pause").await else {
             return false;
         };
         let stopped = self.stop(instance);
@@ -690,21 +697,7 @@ impl Lane {
     /// (the fence must leave it in flight, the takeover's), then the instance is continued.
     async fn pause_completing(&mut self, instance: usize) -> bool {
         let side = sql(&self.db).await;
-        let (told, heard) = oneshot::channel();
-        let (go, went) = oneshot::channel();
-        self.up.arm(
-            instance,
-            Arm::Paused {
-                told,
-                go: went,
-                hold_ms: 0,
-            },
-        );
-        let Ok(Ok(event)) = tokio::time::timeout(Duration::from_secs(3), heard).await else {
-            self.up.disarm(instance);
-            self.faults
-                .notes
-                .push(format!("pause of {instance}: no request came"));
+        let Some((event, go)) = self.next_request(instance, 0, "pause").await else {
             return false;
         };
         let pids = self.backends(&side, instance).await;
@@ -765,14 +758,7 @@ impl Lane {
 
     /// Locks the row of the next key to reach `instance`'s upstream for `ms`.
     async fn row_lock(&mut self, instance: usize, ms: u64) -> bool {
-        let (told, heard) = oneshot::channel();
-        let (go, went) = oneshot::channel();
-        self.up.arm(instance, Arm::Lock { told, go: went });
-        let Ok(Ok(event)) = tokio::time::timeout(Duration::from_secs(3), heard).await else {
-            self.up.disarm(instance);
-            self.faults
-                .notes
-                .push(format!("row lock on {instance}: no request came"));
+        let Some((event, go)) = self.next_request(instance, 0, "row lock").await else {
             return false;
         };
         let side = sql(&self.db).await;
