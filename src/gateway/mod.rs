@@ -8,8 +8,10 @@
 //! - `plain.rs`: forwards without a key: streamed both ways, tunnels.
 //! - `request.rs`: a keyed request from its claim on ([`KeyedRequest`](request::KeyedRequest)):
 //!   the one context every later stage reads, its route held by index.
-//! - `keyed.rs`: a keyed request up to its claim: the body read, the key and fingerprint,
-//!   a hot replay; then the `KeyedRequest` task: claim, wait, replay.
+//! - `keyed.rs`: a keyed request up to its claim: the body read, a hot replay; then the
+//!   `KeyedRequest` task: claim, wait, replay.
+//! - `keying.rs`: a keyed request's key, scope and fingerprint, and the repeated-member
+//!   check (on a blocking thread for a large body).
 //! - `record.rs`: a claimed request: `serialize` and the upstream slot, the forward, the
 //!   fenced write of its outcome.
 //!
@@ -57,6 +59,7 @@ use crate::store::Store;
 
 pub mod connection;
 mod keyed;
+mod keying;
 mod plain;
 mod record;
 mod request;
