@@ -2,10 +2,12 @@
 //! connection pool (`forward/h1.rs`): connections are reused, one the upstream closed is never
 //! used (a new one is made, the request runs once), one whose response body was not read to its
 //! end is never reused, nor one answered before its request body was all sent, and
-//! `Connection: close` is honoured. The upstream is a raw TCP server
+//! `Connection: close` is honoured, and with more serving threads than the pool has lists
+//! each thread still forwards over its own connections. The upstream is a raw TCP server
 //! that counts the connections it accepted and the requests it answered, and keeps the `Host`
-//! each request named.
+//! (and `X-Client`) each request named.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -14,6 +16,7 @@ use http::Method;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+use crate::support::process::GatewayProcess;
 use crate::support::*;
 
 /// How the raw upstream ends each exchange.
@@ -40,6 +43,9 @@ struct RawUpstream {
     closed: Arc<AtomicUsize>,
     /// The `Host` header of each request answered.
     hosts: Arc<std::sync::Mutex<Vec<String>>>,
+    /// Each request answered: the number of the connection it came on (from 0, in the order
+    /// they were accepted) and its `X-Client` header (empty without one).
+    served: Arc<std::sync::Mutex<Vec<(usize, String)>>>,
     _task: tokio::task::JoinHandle<()>,
 }
 
@@ -51,12 +57,14 @@ impl RawUpstream {
         let answered = Arc::new(AtomicUsize::new(0));
         let closed = Arc::new(AtomicUsize::new(0));
         let hosts = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let served = Arc::new(std::sync::Mutex::new(Vec::new()));
         let (conns, ans, cl) = (connections.clone(), answered.clone(), closed.clone());
-        let seen = hosts.clone();
+        let (seen, by_conn) = (hosts.clone(), served.clone());
         let task = tokio::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
-                conns.fetch_add(1, Ordering::SeqCst);
+                let number = conns.fetch_add(1, Ordering::SeqCst);
                 let (ans, cl, seen) = (ans.clone(), cl.clone(), seen.clone());
+                let by_conn = by_conn.clone();
                 tokio::spawn(async move {
                     let mut buf = Vec::new();
                     let mut chunk = [0u8; 4096];
@@ -88,6 +96,9 @@ impl RawUpstream {
                         if let Some(host) = head.lines().find_map(|l| l.strip_prefix("host:")) {
                             seen.lock().unwrap().push(host.trim().to_string());
                         }
+                        let client = head.lines().find_map(|l| l.strip_prefix("x-client:"));
+                        let client = client.unwrap_or_default().trim().to_string();
+                        by_conn.lock().unwrap().push((number, client));
                         let n = ans.fetch_add(1, Ordering::SeqCst) + 1;
                         let body = format!("{{\"execution\":{n}}}");
                         let wrote = match ending {
@@ -146,12 +157,22 @@ impl RawUpstream {
             answered,
             closed,
             hosts,
+            served,
             _task: task,
         }
     }
 
     fn hosts(&self) -> Vec<String> {
         self.hosts.lock().unwrap().clone()
+    }
+
+    /// For each connection that carried requests, the `X-Client` values they had.
+    fn clients_by_connection(&self) -> std::collections::BTreeMap<usize, BTreeSet<String>> {
+        let mut by = std::collections::BTreeMap::<usize, BTreeSet<String>>::new();
+        for (number, client) in self.served.lock().unwrap().iter() {
+            by.entry(*number).or_default().insert(client.clone());
+        }
+        by
     }
 
     fn connections(&self) -> usize {
@@ -410,4 +431,99 @@ async fn a_keyed_forward_never_uses_a_connection_the_upstream_closed_and_runs_on
     }
     assert_eq!(up.answered(), 5, "each key ran once");
     assert_eq!(up.connections(), 5, "a new connection each time");
+}
+
+/// One request on a client connection of its own that stays open: `GET /threads` with
+/// `X-Client: client`; the status, once the whole answer (its `content-length`) is read.
+async fn on_connection(conn: &mut tokio::net::TcpStream, client: usize) -> u16 {
+    let request = format!("GET /threads HTTP/1.1\r\nhost: gw\r\nx-client: {client}\r\n\r\n");
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            if got.len() >= end + 4 + length {
+                return head[9..12].parse().unwrap();
+            }
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), conn.read(&mut chunk))
+            .await
+            .expect("an answer within 10 s")
+            .unwrap();
+        assert!(n > 0, "client {client}: the gateway closed the connection");
+        got.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The pool keeps its idle connections in a fixed number of lists (`shard::SHARDS`, 8);
+/// with more serving threads than that, threads share a list, and each must still take only
+/// the connections its own runtime opened (another's socket waits for readiness on another
+/// thread). The release binary with 12 serving threads; 12 client connections held open,
+/// each opened once the one before was answered, so the gateway seats one on each thread
+/// (it hands a new connection to the thread serving the fewest); then 30 rounds of one
+/// request on each, all at once. Every upstream connection must have carried the requests
+/// of one client connection only, that is of one thread.
+#[tokio::test]
+async fn past_eight_serving_threads_each_thread_forwards_over_its_own_upstream_connections() {
+    const THREADS: usize = 12;
+    let up = RawUpstream::start(Ending::KeepAlive).await;
+    let db = pg::fresh_database().await;
+    let yaml = format!(
+        r#"
+listen: 127.0.0.1:0
+server: {{ shutdown_grace: 5s, header_read_timeout: 5s, worker_threads: {THREADS} }}
+store:
+{store}
+upstreams:
+  app: {{ url: "http://{addr}", connect_timeout: 1s, timeout: 10s }}
+routes:
+  - name: rest
+    match: {{ path_prefix: / }}
+    upstream: app
+"#,
+        store = pg_store_block(&db),
+        addr = up.addr
+    );
+    let gw = GatewayProcess::start(&yaml).await;
+    let mut conns = Vec::new();
+    for client in 0..THREADS {
+        let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        assert_eq!(on_connection(&mut conn, client).await, 200);
+        conns.push(conn);
+    }
+    let all = Arc::new(tokio::sync::Barrier::new(THREADS));
+    let mut tasks = Vec::new();
+    for (client, mut conn) in conns.into_iter().enumerate() {
+        let all = Arc::clone(&all);
+        tasks.push(tokio::spawn(async move {
+            for round in 0..30 {
+                all.wait().await;
+                let status = on_connection(&mut conn, client).await;
+                assert_eq!(status, 200, "client {client}, round {round}");
+            }
+            conn
+        }));
+    }
+    let mut conns = Vec::new();
+    for task in tasks {
+        conns.push(task.await.unwrap());
+    }
+    assert_eq!(up.answered(), THREADS * 31);
+    let by = up.clients_by_connection();
+    let shared: Vec<_> = by.iter().filter(|(_, clients)| clients.len() > 1).collect();
+    assert!(
+        shared.is_empty(),
+        "upstream connections that carried the requests of several client connections \
+         (several threads): {shared:?} (of {} connections)",
+        by.len()
+    );
+    // The clients were seated one per thread: each kept to connections of its own, and
+    // every one of them was answered over some.
+    let clients: BTreeSet<String> = by.values().flatten().cloned().collect();
+    assert_eq!(clients.len(), THREADS, "{by:?}");
 }
