@@ -77,9 +77,12 @@ impl Telemetry {
             .with_service_name(settings.service_name.clone())
             .build();
         let queue = export::Queue::start(settings, resource.clone(), counters)?;
-        let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-            settings.sampling_ratio,
-        )));
+        let ratio = Sampler::TraceIdRatioBased(settings.sampling_ratio);
+        let sampler = if settings.parent_based {
+            Sampler::ParentBased(Box::new(ratio))
+        } else {
+            ratio
+        };
         let provider = SdkTracerProvider::builder()
             .with_span_processor(queue)
             .with_sampler(sampler)
@@ -90,6 +93,7 @@ impl Telemetry {
             endpoint = %settings.endpoint,
             protocol = settings.protocol.as_str(),
             sampling_ratio = settings.sampling_ratio,
+            parent_based = settings.parent_based,
             "traces exported over OTLP"
         );
         Ok(Arc::new(Telemetry {

@@ -20,7 +20,12 @@ pub struct Settings {
     /// Sent with every export; their values are never printed.
     pub headers: ExportHeaders,
     pub service_name: String,
+    /// The share of new traces sampled (by trace id).
     pub sampling_ratio: f64,
+    /// Whether a client's `traceparent` decides for its trace (its sampled flag), the ratio
+    /// deciding only for a trace the gateway starts (the default); otherwise the ratio
+    /// decides for every trace.
+    pub parent_based: bool,
     pub timeout: Duration,
     pub max_queue_spans: usize,
 }
@@ -44,8 +49,10 @@ impl Settings {
     /// - `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`, else `OTEL_EXPORTER_OTLP_TIMEOUT`
     ///   (milliseconds), else `telemetry.otlp.timeout`.
     /// - `OTEL_SERVICE_NAME`, else `telemetry.service_name`.
-    /// - `OTEL_TRACES_SAMPLER_ARG`, else `telemetry.sampling_ratio` (the sampler is always
-    ///   parent-based over a trace-id ratio).
+    /// - `OTEL_TRACES_SAMPLER`: `parentbased_traceidratio` (what the file gives),
+    ///   `parentbased_always_on`, `parentbased_always_off`, `traceidratio`, `always_on`,
+    ///   `always_off`; any other is an error. For the two ratio samplers,
+    ///   `OTEL_TRACES_SAMPLER_ARG`, else `telemetry.sampling_ratio`, is the ratio.
     ///
     /// `None`: tracing is off. An error names the variable (or the YAML path) at fault.
     pub fn resolve(
@@ -129,16 +136,30 @@ impl Settings {
         let service_name = var("OTEL_SERVICE_NAME")
             .map(|v| v.trim().to_string())
             .unwrap_or_else(|| file.service_name.clone());
-        let sampling_ratio = match var("OTEL_TRACES_SAMPLER_ARG") {
-            None => file.sampling_ratio,
+        let ratio = match var("OTEL_TRACES_SAMPLER_ARG") {
+            None => Ok(file.sampling_ratio),
             Some(v) => match v.trim().parse::<f64>() {
-                Ok(r) if (0.0..=1.0).contains(&r) => r,
-                _ => {
-                    return Err(format!(
-                        "OTEL_TRACES_SAMPLER_ARG: must be a number between 0.0 and 1.0, got '{v}'"
-                    ));
-                }
+                Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+                _ => Err(format!(
+                    "OTEL_TRACES_SAMPLER_ARG: must be a number between 0.0 and 1.0, got '{v}'"
+                )),
             },
+        };
+        let sampler = var("OTEL_TRACES_SAMPLER").map(|v| v.trim().to_ascii_lowercase());
+        let (parent_based, sampling_ratio) = match sampler.as_deref() {
+            None | Some("parentbased_traceidratio") => (true, ratio?),
+            Some("parentbased_always_on") => (true, 1.0),
+            Some("parentbased_always_off") => (true, 0.0),
+            Some("traceidratio") => (false, ratio?),
+            Some("always_on") => (false, 1.0),
+            Some("always_off") => (false, 0.0),
+            Some(other) => {
+                return Err(format!(
+                    "OTEL_TRACES_SAMPLER: '{other}' is not supported: write \
+                     parentbased_traceidratio, parentbased_always_on, parentbased_always_off, \
+                     traceidratio, always_on or always_off"
+                ));
+            }
         };
         Ok(Some(Settings {
             endpoint,
@@ -146,6 +167,7 @@ impl Settings {
             headers,
             service_name,
             sampling_ratio,
+            parent_based,
             timeout,
             max_queue_spans: file.max_queue_spans,
         }))
@@ -292,6 +314,52 @@ mod tests {
         assert_eq!(
             (s.protocol, s.endpoint.to_string().as_str()),
             (OtlpProtocol::Grpc, "http://env:4317/")
+        );
+    }
+
+    #[test]
+    fn the_sampler_variable_chooses_the_sampler_and_its_argument_the_ratio() {
+        let mut f = file(Some("http://file:4318"));
+        f.sampling_ratio = 0.25;
+        let sampler = |env: &[(&str, &str)]| {
+            let s = resolve(&f, env).unwrap().unwrap();
+            (s.parent_based, s.sampling_ratio)
+        };
+        assert_eq!(sampler(&[]), (true, 0.25));
+        assert_eq!(sampler(&[("OTEL_TRACES_SAMPLER_ARG", "0.5")]), (true, 0.5));
+        let arg = ("OTEL_TRACES_SAMPLER_ARG", "0.5");
+        for (name, want) in [
+            ("parentbased_traceidratio", (true, 0.5)),
+            ("ParentBased_Always_On", (true, 1.0)),
+            ("parentbased_always_off", (true, 0.0)),
+            ("traceidratio", (false, 0.5)),
+            ("always_on", (false, 1.0)),
+            ("always_off", (false, 0.0)),
+        ] {
+            assert_eq!(
+                sampler(&[("OTEL_TRACES_SAMPLER", name), arg]),
+                want,
+                "{name}"
+            );
+        }
+        assert_eq!(
+            sampler(&[("OTEL_TRACES_SAMPLER", "traceidratio")]),
+            (false, 0.25),
+            "without an argument, the file's ratio"
+        );
+        // The argument of a sampler that takes none is not read.
+        assert_eq!(
+            sampler(&[
+                ("OTEL_TRACES_SAMPLER", "always_on"),
+                ("OTEL_TRACES_SAMPLER_ARG", "x")
+            ]),
+            (false, 1.0)
+        );
+        assert_eq!(
+            resolve(&f, &[("OTEL_TRACES_SAMPLER", "jaeger_remote")]).unwrap_err(),
+            "OTEL_TRACES_SAMPLER: 'jaeger_remote' is not supported: write \
+             parentbased_traceidratio, parentbased_always_on, parentbased_always_off, \
+             traceidratio, always_on or always_off"
         );
     }
 

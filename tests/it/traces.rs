@@ -617,3 +617,63 @@ async fn without_telemetry_the_clients_trace_headers_pass_untouched() {
     assert_eq!(seen[0].headers["tracestate"], "vendor=opaque");
     gw.shutdown().await;
 }
+
+/// `OTEL_TRACES_SAMPLER` chooses the sampler, as the OpenTelemetry SDKs read it: `always_on`
+/// samples a trace whose client said "not sampled" (a parent-based sampler, the default,
+/// would follow the client); `parentbased_always_off` starts no trace of its own but follows a
+/// client that samples. The release binary, the variables in its environment.
+#[tokio::test]
+async fn the_standard_sampler_variable_chooses_the_sampler() {
+    let up = Upstream::start().await;
+    let (collector, received, _) = http_receiver().await;
+    let yaml = |db: &str| {
+        format!(
+            "{}telemetry:\n  otlp: {{ endpoint: \"http://{collector}\" }}\n",
+            config_yaml(db, &up.url(), "")
+        )
+    };
+    let get = async |gw: &GatewayProcess, path: &str, parent: Option<&str>| {
+        let headers: Vec<(&str, &str)> = parent.map(|p| ("traceparent", p)).into_iter().collect();
+        let r = send(&client(), Method::GET, &gw.url(path), &headers, "").await;
+        assert_eq!(r.status, 201, "{path}");
+    };
+
+    let db = pg::fresh_database().await;
+    let gw =
+        GatewayProcess::start_with_env(&yaml(&db), &[("OTEL_TRACES_SAMPLER", "always_on")]).await;
+    let unsampled_trace = "0af7651916cd43dd8448eb211c80319c";
+    let unsampled = format!("00-{unsampled_trace}-b7ad6b7169203331-00");
+    get(&gw, "/not-sampled-by-the-client", Some(&unsampled)).await;
+    let got = received.wait_trace(unsampled_trace, 1).await;
+    assert!(
+        got.iter().any(|g| g.span.kind == 2),
+        "always_on exported the server span of a trace its client did not sample: {got:#?}"
+    );
+    drop(gw);
+
+    let db = pg::fresh_database().await;
+    let gw = GatewayProcess::start_with_env(
+        &yaml(&db),
+        &[("OTEL_TRACES_SAMPLER", "parentbased_always_off")],
+    )
+    .await;
+    let before = received.spans().len();
+    get(&gw, "/no-parent", None).await;
+    // A sampled one last: once its spans are in, the first request's would be (one queue,
+    // in order).
+    let last_trace = "11111111111111111111111111111111";
+    let last = format!("00-{last_trace}-2222222222222222-01");
+    get(&gw, "/sampled-by-the-client", Some(&last)).await;
+    let followed = received.wait_trace(last_trace, 1).await;
+    let all = received.spans();
+    let others: Vec<&Got> = all[before..]
+        .iter()
+        // (A late span of the first gateway's trace is not one.)
+        .filter(|g| g.trace_id() != last_trace && g.trace_id() != unsampled_trace)
+        .collect();
+    assert!(
+        others.is_empty(),
+        "parentbased_always_off started a trace of its own: {others:#?}"
+    );
+    assert!(followed.iter().all(|g| g.trace_id() == last_trace));
+}
