@@ -188,10 +188,9 @@ impl RawUpstream {
     }
 }
 
-/// A gateway whose only route is a plain catch-all to `up`.
-async fn plain_gateway(up: &RawUpstream) -> TestGateway {
-    let db = pg::fresh_database().await;
-    let yaml = format!(
+/// The configuration of a gateway whose only route is a plain catch-all to `up`.
+fn plain_yaml(up: &RawUpstream, db: &str) -> String {
+    format!(
         r#"{head}upstreams:
   app: {{ url: "http://{addr}", connect_timeout: 500ms, timeout: 5s }}
 routes:
@@ -199,10 +198,15 @@ routes:
     match: {{ path_prefix: / }}
     upstream: app
 "#,
-        head = config_head(&pg_store_block(&db)),
+        head = config_head(&pg_store_block(db)),
         addr = up.addr
-    );
-    TestGateway::start(&yaml, &db).await
+    )
+}
+
+/// A gateway whose only route is a plain catch-all to `up`.
+async fn plain_gateway(up: &RawUpstream) -> TestGateway {
+    let db = pg::fresh_database().await;
+    TestGateway::start(&plain_yaml(up, &db), &db).await
 }
 
 /// A gateway whose only route is keyed: `POST /pay`, key from `Idempotency-Key`.
@@ -473,21 +477,12 @@ async fn past_eight_serving_threads_each_thread_forwards_over_its_own_upstream_c
     const THREADS: usize = 12;
     let up = RawUpstream::start(Ending::KeepAlive).await;
     let db = pg::fresh_database().await;
-    let yaml = format!(
-        r#"
-listen: 127.0.0.1:0
-server: {{ shutdown_grace: 5s, header_read_timeout: 5s, worker_threads: {THREADS} }}
-store:
-{store}
-upstreams:
-  app: {{ url: "http://{addr}", connect_timeout: 1s, timeout: 10s }}
-routes:
-  - name: rest
-    match: {{ path_prefix: / }}
-    upstream: app
-"#,
-        store = pg_store_block(&db),
-        addr = up.addr
+    let yaml = plain_yaml(&up, &db);
+    let server = "header_read_timeout: 2s }";
+    assert!(yaml.contains(server), "{yaml}");
+    let yaml = yaml.replace(
+        server,
+        &format!("header_read_timeout: 2s, worker_threads: {THREADS} }}"),
     );
     let gw = GatewayProcess::start(&yaml).await;
     let mut conns = Vec::new();
