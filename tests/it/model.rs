@@ -180,6 +180,13 @@ fn bits(mask: u16) -> impl Iterator<Item = u8> {
     (0..16).filter(move |&b| mask & bit(b) != 0)
 }
 
+/// Where an instance with crashes left to spend may crash, as `work_done`: before its work
+/// (`false`), and, while it forwards, also after the upstream did it (`true`). Both models
+/// crash their instances at these points.
+fn crash_points(forwarding: bool) -> impl Iterator<Item = bool> {
+    [false].into_iter().chain(forwarding.then_some(true))
+}
+
 /// `on_unknown_outcome` of the route the key belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Mode {
@@ -841,16 +848,10 @@ impl Model for Protocol {
                 }
             }
             if s.crashes > 0 {
-                actions.push(Action::Crash {
-                    gateway,
-                    work_done: false,
-                });
-                if matches!(phase, Phase::Forwarding { .. }) {
-                    actions.push(Action::Crash {
-                        gateway,
-                        work_done: true,
-                    });
-                }
+                let forwarding = matches!(phase, Phase::Forwarding { .. });
+                actions.extend(
+                    crash_points(forwarding).map(|work_done| Action::Crash { gateway, work_done }),
+                );
             }
         }
         for token in bits(s.live) {
@@ -1424,6 +1425,15 @@ mod tests {
     }
 
     /// The shortest run of the two-key model that breaks `property` (see [`counterexample`]).
+    /// Whether the two-key model with `bug` breaks `property`.
+    fn scope_bug_found(bug: scope::Bug, property: &'static str) -> bool {
+        let broken = scope::Scope {
+            bug: Some(bug),
+            ..SCOPE
+        };
+        scope_counterexample(broken, property).is_some()
+    }
+
     fn scope_counterexample(
         model: scope::Scope,
         property: &'static str,
@@ -1472,29 +1482,26 @@ mod tests {
 
     #[test]
     fn a_batch_that_fails_every_key_for_one_keys_error_shares_its_fate() {
-        let shared = scope::Scope {
-            bug: Some(scope::Bug::SharedFate),
-            ..SCOPE
-        };
-        assert!(scope_counterexample(shared, scope::NO_SHARED_FATE).is_some());
+        assert!(scope_bug_found(
+            scope::Bug::SharedFate,
+            scope::NO_SHARED_FATE
+        ));
     }
 
     #[test]
     fn a_slot_taken_by_count_then_insert_lets_two_forwards_of_a_scope_run() {
-        let racy = scope::Scope {
-            bug: Some(scope::Bug::SlotByCountThenInsert),
-            ..SCOPE
-        };
-        assert!(scope_counterexample(racy, scope::ONE_FORWARD_PER_SCOPE).is_some());
+        assert!(scope_bug_found(
+            scope::Bug::SlotByCountThenInsert,
+            scope::ONE_FORWARD_PER_SCOPE
+        ));
     }
 
     #[test]
     fn a_slot_release_without_the_fence_lets_two_forwards_of_a_scope_run() {
-        let unfenced = scope::Scope {
-            bug: Some(scope::Bug::UnfencedSlotRelease),
-            ..SCOPE
-        };
-        assert!(scope_counterexample(unfenced, scope::ONE_FORWARD_PER_SCOPE).is_some());
+        assert!(scope_bug_found(
+            scope::Bug::UnfencedSlotRelease,
+            scope::ONE_FORWARD_PER_SCOPE
+        ));
     }
 
     /// Guarantee 3 in so many words ("no client ever holds an answer that a retry would not

@@ -456,7 +456,7 @@ async fn a_duplicate_in_flight_waits_in_a_wait_span() {
         metric(&text, "idemgate_store_latency_seconds_count{op=\"claim\"}")
     };
     let before = claims();
-    let second = in_flight_try_no_wait(&gw.url("/pay"), "acct-w", "k-wait");
+    let second = spawn_post(&client(), &gw.url("/pay"), "acct-w", "k-wait", "{}");
     // Its claim found the key in flight: from there it waits for the first's answer.
     wait_until(
         "the duplicate has claimed",
@@ -497,26 +497,6 @@ async fn a_duplicate_in_flight_waits_in_a_wait_span() {
         "the first attempt's server span"
     );
     gw.shutdown().await;
-}
-
-/// A keyed POST sent in the background, not waited for.
-fn in_flight_try_no_wait(url: &str, account: &str, key: &str) -> tokio::task::JoinHandle<Reply> {
-    let (c, url, account, key) = (
-        client(),
-        url.to_string(),
-        account.to_string(),
-        key.to_string(),
-    );
-    tokio::spawn(async move {
-        send(
-            &c,
-            Method::POST,
-            &url,
-            &[("idempotency-key", &key), ("x-account-id", &account)],
-            "{}",
-        )
-        .await
-    })
 }
 
 /// The dropped-span counter of a gateway's `/metrics`.

@@ -53,7 +53,7 @@
 
 use stateright::{Model, Property};
 
-use super::{Life, Renumber, Response, Row, RowState, bit, bits};
+use super::{Life, Renumber, Response, Row, RowState, bit, bits, crash_points};
 use crate::decisions::{self as table, Before, Decision, Op};
 
 type Token = u8;
@@ -663,16 +663,10 @@ impl Model for Scope {
                 Phase::Releasing { .. } => actions.push(Action::ReleaseSlot { gateway }),
             }
             if s.crashes > 0 {
-                actions.push(Action::Crash {
-                    gateway,
-                    work_done: false,
-                });
-                if matches!(phase, Phase::Forwarding { .. }) {
-                    actions.push(Action::Crash {
-                        gateway,
-                        work_done: true,
-                    });
-                }
+                let forwarding = matches!(phase, Phase::Forwarding { .. });
+                actions.extend(
+                    crash_points(forwarding).map(|work_done| Action::Crash { gateway, work_done }),
+                );
             }
         }
         for token in bits(s.live) {

@@ -620,6 +620,33 @@ pub async fn in_flight(
     })
 }
 
+/// Sends a keyed POST (`account`, `key`, `body`) to `url` in the background, not waited for.
+pub fn spawn_post(
+    client: &TestClient,
+    url: &str,
+    account: &str,
+    key: &str,
+    body: &str,
+) -> tokio::task::JoinHandle<Reply> {
+    let c = client.clone();
+    let (url, account, key, body) = (
+        url.to_string(),
+        account.to_string(),
+        key.to_string(),
+        body.to_string(),
+    );
+    tokio::spawn(async move {
+        send(
+            &c,
+            Method::POST,
+            &url,
+            &[("idempotency-key", &key), ("x-account-id", &account)],
+            body,
+        )
+        .await
+    })
+}
+
 /// Sends keyed POSTs (`account`, `key`) all at once, round-robin over `urls`.
 pub async fn at_once(
     urls: &[String],
@@ -630,19 +657,7 @@ pub async fn at_once(
     let tasks: Vec<_> = keys
         .into_iter()
         .enumerate()
-        .map(|(i, (account, key))| {
-            let (c, url) = (c.clone(), urls[i % urls.len()].clone());
-            tokio::spawn(async move {
-                send(
-                    &c,
-                    Method::POST,
-                    &url,
-                    &[("idempotency-key", &key), ("x-account-id", &account)],
-                    body,
-                )
-                .await
-            })
-        })
+        .map(|(i, (account, key))| spawn_post(&c, &urls[i % urls.len()], &account, &key, body))
         .collect();
     let mut out = Vec::with_capacity(tasks.len());
     for t in tasks {
