@@ -1294,13 +1294,23 @@ mod tests {
         checker.assert_properties();
     }
 
-    /// The shortest run of `protocol` that breaks `property`, if there is one within 30 steps:
-    /// checked to a growing depth, so the first run that breaks it is a shortest one.
-    fn counterexample(protocol: Protocol, property: &'static str) -> Option<Vec<Action>> {
+    /// The shortest run of `model` that breaks `property`, if there is one within 30 steps:
+    /// checked to a growing depth, so the first run that breaks it is a shortest one. `label`
+    /// names the variant in the report.
+    fn shortest_counterexample<M>(
+        model: M,
+        property: &'static str,
+        label: String,
+    ) -> Option<Vec<M::Action>>
+    where
+        M: Model + Clone + Send + Sync + 'static,
+        M::State: Clone + PartialEq + std::hash::Hash + Send + Sync + 'static,
+        M::Action: Clone + std::fmt::Debug + PartialEq,
+    {
         let started = Instant::now();
         let mut states = 0;
         for depth in 2..=31 {
-            let checker = protocol
+            let checker = model
                 .clone()
                 .checker()
                 .target_max_depth(depth)
@@ -1311,10 +1321,8 @@ mod tests {
             if let Some(path) = checker.discovery(property) {
                 let actions = path.into_actions();
                 eprintln!(
-                    "{:?}{} breaks \"{property}\" in {} steps ({states} states visited, {:.1?}): \
+                    "{label} breaks \"{property}\" in {} steps ({states} states visited, {:.1?}): \
                      {actions:?}",
-                    protocol.bug,
-                    if protocol.literal { " (literal)" } else { "" },
                     actions.len(),
                     started.elapsed()
                 );
@@ -1322,6 +1330,12 @@ mod tests {
             }
         }
         None
+    }
+
+    fn counterexample(protocol: Protocol, property: &'static str) -> Option<Vec<Action>> {
+        let literal = if protocol.literal { " (literal)" } else { "" };
+        let label = format!("{:?}{literal}", protocol.bug);
+        shortest_counterexample(protocol, property, label)
     }
 
     fn broken(bug: Bug) -> Protocol {
@@ -1438,30 +1452,8 @@ mod tests {
         model: scope::Scope,
         property: &'static str,
     ) -> Option<Vec<scope::Action>> {
-        let started = Instant::now();
-        let mut states = 0;
-        for depth in 2..=31 {
-            let checker = model
-                .clone()
-                .checker()
-                .target_max_depth(depth)
-                .finish_when(HasDiscoveries::AnyOf([property].into()))
-                .spawn_bfs()
-                .join();
-            states += checker.unique_state_count();
-            if let Some(path) = checker.discovery(property) {
-                let actions = path.into_actions();
-                eprintln!(
-                    "{:?} breaks \"{property}\" in {} steps ({states} states visited, {:.1?}): \
-                     {actions:?}",
-                    model.bug,
-                    actions.len(),
-                    started.elapsed()
-                );
-                return Some(actions);
-            }
-        }
-        None
+        let label = format!("{:?}", model.bug);
+        shortest_counterexample(model, property, label)
     }
 
     #[test]
