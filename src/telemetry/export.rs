@@ -8,10 +8,10 @@
 //! - [`Queue::on_end`] (on a request's path) never blocks and never waits for the network:
 //!   one `try_send` on a bounded channel; a full queue drops the span and counts it in
 //!   `dropped`. It does not wake the exporter thread either, but when the queue holds a full
-//!   batch (or a quarter of its bound, if less): the thread is not parked on the channel (a wake-up per span cost a context
-//!   switch and a futex call on the request's thread, about half of what a traced request
-//!   cost), it polls it every [`POLL`] and sends a batch when one is full or its first span
-//!   has waited [`BATCH_DELAY`].
+//!   batch (or a quarter of its bound, if less): the thread is not parked on the channel (a
+//!   wake-up per span cost a context switch and a futex call on the request's thread, about
+//!   half of what a traced request cost), it polls it every [`POLL`] and sends a batch when
+//!   one is full or its first span has waited [`BATCH_DELAY`].
 //! - The exporter thread owns the exporter and a runtime of its own (one thread): a slow
 //!   or absent collector only slows that thread, each export bounded by the configured
 //!   timeout (retries included). A failed export's spans are counted in `dropped`, an
