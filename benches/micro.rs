@@ -181,12 +181,30 @@ fn hostile_bodies() -> Vec<(&'static str, Bytes)> {
         2 => "0.30000000000000001".to_string(),
         _ => format!("1234567890123456789012345678{i}"),
     };
+    // Names as short as they come unique, out of order: `"3fa2c":1`, twice as many names
+    // to a byte as the wide objects above.
+    let mut short = format!("{{{KEYED}");
+    let mut i: u64 = 0;
+    while short.len() < MIB {
+        // Multiplying by an odd number permutes the low 20 bits: no name repeats.
+        let scrambled = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) & 0xf_ffff;
+        short.push_str(&format!(r#","{scrambled:x}":{}"#, i % 10));
+        i += 1;
+    }
+    short.push('}');
+    // Arrays only, as deep as a body may go: a container to every byte or so.
+    let arrays_piece = |_| {
+        let depth = MAX_DEPTH - 2;
+        format!("{}1{}", "[".repeat(depth), "]".repeat(depth))
+    };
     vec![
         ("plain", json_body(MIB)),
         ("wide_object", Bytes::from(wide)),
         ("wide_object_unsorted", Bytes::from(wide_unsorted)),
         ("wide_object_escaped_names", Bytes::from(wide_escaped)),
+        ("wide_object_short_names", Bytes::from(short)),
         ("deep_nesting", keyed_body(MIB, deep_piece)),
+        ("deep_arrays", keyed_body(MIB, arrays_piece)),
         ("escaped_strings", keyed_body(MIB, escapes_piece)),
         ("numbers", keyed_body(MIB, numbers)),
     ]

@@ -53,7 +53,8 @@ pub(super) struct Names<'a> {
     body: &'a [u8],
     /// The names of the open objects, innermost last.
     names: Vec<Name>,
-    /// The text of those of them that had escapes.
+    /// The text of the names read so far that had escapes (kept until the check ends: it is
+    /// never longer than the body, and an object's end then has nothing of it to give back).
     decoded: Vec<u8>,
     /// Where each open object's names start on `names`, innermost last, and where the
     /// innermost's do (kept apart: it is read for every name).
@@ -61,9 +62,6 @@ pub(super) struct Names<'a> {
     base: usize,
     /// The open objects that are wide, innermost last.
     wide: Vec<Wide>,
-    /// The open objects that have names with escapes (which of `objects`, and where their
-    /// names start on `decoded`), innermost last.
-    escaped: Vec<(usize, usize)>,
     /// Where names of the open wide objects are less than the name before (the first
     /// [`FEW_RUNS`] of each), innermost last.
     descents: Vec<usize>,
@@ -83,7 +81,6 @@ impl<'a> Names<'a> {
             objects: Vec::new(),
             base: 0,
             wide: Vec::new(),
-            escaped: Vec::new(),
             descents: Vec::new(),
             scratch: Scratch::default(),
         }
@@ -99,7 +96,7 @@ impl<'a> Names<'a> {
         &whole[name.start..name.start + len]
     }
 
-    /// Where a name's text lies; for one with escapes, that its object has such names.
+    /// Where a name's text lies.
     #[inline]
     fn name_of(&mut self, s: Str<'a>) -> Name {
         if !s.escaped {
@@ -111,10 +108,6 @@ impl<'a> Names<'a> {
         // Decoded by the reader as it read it (`Sink::DECODE_NAMES`).
         debug_assert!(s.decoded.is_some());
         let start = s.decoded.unwrap_or(self.decoded.len());
-        let object = self.objects.len().saturating_sub(1);
-        if self.escaped.last().is_none_or(|&(o, _)| o != object) {
-            self.escaped.push((object, start));
-        }
         Name {
             start,
             len: (self.decoded.len() - start) | Name::DECODED,
@@ -190,18 +183,15 @@ impl<'a> Names<'a> {
         }
     }
 
-    /// [`Sink::end_object`] of a wide object, or of one with escaped names: `object` (which
-    /// it was of the open objects) with its names from `base` on.
+    /// [`Sink::end_object`] of a wide object: `object` (which it was of the open objects) with
+    /// its names from `base` on.
     #[inline(never)]
-    fn end_other_object(&mut self, object: usize, base: usize) -> Result<(), Refusal> {
+    fn end_wide_object(&mut self, object: usize, base: usize) -> Result<(), Refusal> {
         if let Some(wide) = self.wide.pop_if(|w| w.object == object) {
             if self.repeats(base, self.names.len(), wide.descents, wide.descents_at) {
                 return Err(Refusal::Repeated);
             }
             self.descents.truncate(wide.descents_at);
-        }
-        if let Some((_, start)) = self.escaped.pop_if(|e| e.0 == object) {
-            self.decoded.truncate(start);
         }
         self.names.truncate(base);
         Ok(())
@@ -318,9 +308,8 @@ impl<'a> Sink<'a> for Names<'a> {
         }
         self.base = self.objects.last().copied().unwrap_or(0);
         let object = self.objects.len();
-        let wide = self.names.len() - base > SMALL_OBJECT;
-        if wide || self.escaped.last().is_some_and(|e| e.0 == object) {
-            return self.end_other_object(object, base);
+        if self.names.len() - base > SMALL_OBJECT {
+            return self.end_wide_object(object, base);
         }
         self.names.truncate(base);
         Ok(())
