@@ -3,7 +3,7 @@
 -- 1. No CHECK constraints. PostgreSQL rebuilds every CHECK from its stored expression text at
 --    the start of each statement that writes the table (a parse per statement, the top of its
 --    profile per new key). What they guarded is guarded by the statements that write those
---    columns (src/store/postgres.rs): the claim writes 'in_flight' with a generated lease
+--    columns (src/store/postgres/statements.rs): the claim writes 'in_flight' with a generated lease
 --    token and a lease expiry; the completion can only write 'completed' with status, headers
 --    and body, or 'not_replayable' or 'unknown', and fails (state NULL) on anything else. A
 --    test checks every row after the gateway's flows (tests/it/row_invariants.rs).
@@ -20,7 +20,7 @@
 --    version fits on the page of its claim (a HOT update needs the same page).
 --
 -- Online: every statement here changes the catalog only and holds its lock for moments (the
--- migration runner bounds each lock wait, src/store/pg_migrate.rs). gc_after is added with
+-- migration runner bounds each lock wait, src/store/postgres/migrate.rs). gc_after is added with
 -- the constant default '-infinity' (kept in the catalog, no rewrite): existing rows, and rows
 -- that an instance of an earlier release inserts during a rolling upgrade, are at once
 -- eligible for the collector, which deletes them when their expires_at passes. What would

@@ -1,4 +1,4 @@
--- The two statements of a new key (the claim, src/store/postgres.rs CLAIM_NEW_SQL, and the
+-- The two statements of a new key (the claim, src/store/postgres/statements.rs CLAIM_NEW_SQL, and the
 -- completion, FINISH_SQL) as PL/pgSQL functions, for a gateway behind a pooler in transaction
 -- mode (store.postgres.pooler: transaction). There a named prepared statement cannot be used
 -- (the next transaction may run on another server connection), so each statement sent would
@@ -8,7 +8,7 @@
 -- the three; docs/scaling.md has the numbers). A direct session keeps using the statements
 -- themselves, prepared.
 --
--- The bodies are the statements verbatim (a unit test in src/store/postgres.rs checks it), so
+-- The bodies are the statements verbatim (a unit test in src/store/postgres/statements.rs checks it), so
 -- both paths write the same rows.
 
 CREATE OR REPLACE FUNCTION idemgate_claim_new(text, text, text, bytea, bigint, bigint)

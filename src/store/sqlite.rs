@@ -259,7 +259,7 @@ fn migrate(tx: &rusqlite::Transaction<'_>) -> rusqlite::Result<usize> {
     Ok(applied)
 }
 
-/// The claim of `store/postgres.rs`, in SQLite's dialect; see the module docs for why two
+/// The claim of `store/postgres/`, in SQLite's dialect; see the module docs for why two
 /// statements in one IMMEDIATE transaction are as atomic as one.
 /// `?8` is the clock, read once for the whole claim, so the insert and the read that may
 /// follow it agree on what has expired.
@@ -493,7 +493,7 @@ impl Store for SqliteStore {
         let s = scope.to_string();
         let lease = lease.as_millis() as i64;
         Box::pin(async move {
-            // The rule of `store/postgres.rs` (`idemgate_take_slot`): the count and the
+            // The rule of `store/postgres/` (`idemgate_take_slot`): the count and the
             // insert run in one IMMEDIATE transaction, and SQLite has one writer, so no other
             // taker can come between them.
             self.call("acquire_slot", move |tx| {

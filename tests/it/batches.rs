@@ -1,4 +1,4 @@
-//! Group commit on the PostgreSQL store (`store.postgres.batch_keys`, src/store/pg_batch.rs):
+//! Group commit on the PostgreSQL store (`store.postgres.batch_keys`, src/store/postgres/batch.rs):
 //! requests waiting at the same moment share one claim statement and one completion
 //! statement, and every key keeps its own answer. To make batches form whatever the
 //! machine's speed, each test holds the keys table locked against writes while its requests
@@ -69,7 +69,7 @@ async fn wait_for_the_lock(gw: &TestGateway) {
 type StoreCall<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
 
 /// Polls each store call once, then runs them on as tasks. A batched store call queues its
-/// ask before its first wait (`pg_batch::Queue::ask`), so when this returns every one of them
+/// ask before its first wait (`batch::Queue::ask`), so when this returns every one of them
 /// is queued, whatever the scheduler does next.
 async fn queued<T: Send + 'static>(
     mut calls: Vec<StoreCall<T>>,

@@ -1,4 +1,4 @@
-//! Upgrades that run online (src/store/pg_migrate.rs): a table of a million rows at the
+//! Upgrades that run online (src/store/postgres/migrate.rs): a table of a million rows at the
 //! schema an earlier release left is upgraded while a client of that release keeps claiming
 //! keys, and no claim waits a second; a migration that cannot take its lock says so at error
 //! level and the gateway becomes ready once it can.
@@ -93,7 +93,9 @@ async fn a_million_rows_are_upgraded_while_claims_go_on_none_waiting_a_second() 
 
     let before = done.load(Ordering::Relaxed);
     let started = std::time::Instant::now();
-    assert_eq!(store.migrate().await.expect("the migrations"), 2);
+    // Migration 5 and every one after it.
+    let pending = idemgate::store::postgres::MIGRATIONS.len() - 4;
+    assert_eq!(store.migrate().await.expect("the migrations"), pending);
     let applied = started.elapsed();
     let online = store.migrate_online().await.expect("the online part");
     eprintln!(

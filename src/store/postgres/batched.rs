@@ -262,8 +262,8 @@ impl Item for Completion {
                 }
                 let rows: Vec<FinishRow<'_>> = column(&batch, |f| FinishRow::of(&f.outcome));
                 let found = c
-                    .unnamed(
-                        FINISH_BATCH_SQL,
+                    .query(
+                        FINISH_BATCH_CALL,
                         FINISH_BATCH_TYPES,
                         &[
                             &column(&batch, |f| f.scope.as_str()),
@@ -286,8 +286,14 @@ impl Item for Completion {
                 };
                 let mut written: Vec<Finished> =
                     batch.iter().map(|_| Finished::Written(false)).collect();
-                for at in named(&batch, &done).into_iter().flatten() {
-                    written[at] = Finished::Written(true);
+                for row in &done {
+                    let at: i32 = row.get(0);
+                    if let Some(w) = usize::try_from(at - 1)
+                        .ok()
+                        .and_then(|i| written.get_mut(i))
+                    {
+                        *w = Finished::Written(true);
+                    }
                 }
                 Ok(Some(written))
             })

@@ -63,6 +63,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "pooler_functions",
         include_str!("../../../migrations/0006_pooler_functions.sql"),
     ),
+    (
+        7,
+        "finish_batch",
+        include_str!("../../../migrations/0007_finish_batch.sql"),
+    ),
 ];
 
 /// The advisory lock key that serializes the migrations' transactions (and nothing else).

@@ -19,15 +19,15 @@
 //!   claim (`CLAIM_NEW_BATCH_SQL`) is the plain insert for several rows; a key it did not
 //!   insert exists and goes to the full claim, alone, as after the plain insert (a second
 //!   request for a key already in the batch goes there at once: the unique index orders it
-//!   with the insert). The batched completion (`FINISH_BATCH_SQL`) is the fenced completion
-//!   for several rows, each fenced by its own lease token, and it names each key it wrote. A
-//!   batch of one sends the single-key statement. A key appears once per batch, and a batch
-//!   is sorted by key, so concurrent batched inserts take their keys in one order; the rows
-//!   of a batched completion are locked in its plan's order, and two completion batches
-//!   share a key only when two attempts of one key end at once. A batch chosen as a
-//!   deadlock's victim leaves every key to its single statement. The batched completion is
-//!   planned at every call (unnamed): it joins the keys table, and a plan cached while the
-//!   table was small would scan it whole once it is large.
+//!   with the insert). The batched completion (`FINISH_BATCH_CALL`, a function of migration 7)
+//!   runs the fenced single-key completion for each row in turn, each fenced by its own lease
+//!   token, and names each key it wrote; each row is found by its primary key, so its cached
+//!   plan suits a table of any size (an `UPDATE ... FROM unnest(...)` had to be planned at
+//!   every call: a plan cached while the table was small scanned it whole once it was
+//!   large). A batch of one sends the single-key statement. A key appears once per batch,
+//!   and a batch is sorted by key, so concurrent batches take their rows' locks in one
+//!   order; two completion batches share a key only when two attempts of one key end at
+//!   once. A batch chosen as a deadlock's victim leaves every key to its single statement.
 //! - An expired lease is taken over only by the same request (same fingerprint); a
 //!   different request under that key is a mismatch, as for a live one.
 //! - An in-flight row whose lease expired is taken over, unless the route holds unknown
@@ -264,7 +264,7 @@ impl PgStore {
         &self.db.pool
     }
 
-    /// Applies pending migrations (src/store/pg_migrate.rs): their transaction, on a pooled
+    /// Applies pending migrations (`migrate.rs`): their transaction, on a pooled
     /// connection (with settings of its own, `SET LOCAL`). Returns how many were applied; the
     /// work they leave for later is [`PgStore::migrate_online`]'s.
     pub async fn migrate(&self) -> Result<usize, StoreError> {

@@ -178,25 +178,11 @@ pub const FINISH_TYPES: &[Type] = &[
 pub(super) const FINISH_CALL: &str = "SELECT idemgate_finish($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
 /// [`FINISH_SQL`] for several keys in one statement and one commit (one key once), sent only
-/// for two keys or more: each key is fenced by its own lease token and guarded the same way,
-/// and each key written comes back (announced when someone waits for it).
-pub(super) const FINISH_BATCH_SQL: &str = "
-UPDATE idemgate_keys k
-   SET state = CASE
-           WHEN v.state = 'completed'
-                AND v.status IS NOT NULL AND v.headers IS NOT NULL AND v.body IS NOT NULL
-               THEN 'completed'
-           WHEN v.state IN ('not_replayable', 'unknown') THEN v.state
-       END,
-       status = v.status, headers = v.headers, body = v.body,
-       lease_token = NULL, lease_expires_at = NULL, completed_at = now(),
-       expires_at = now() + v.ttl_ms * interval '1 millisecond'
-  FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::integer[], $6::bytea[],
-              $7::bytea[], $8::bigint[], $9::text[])
-       AS v(scope, key, token, state, status, headers, body, ttl_ms, id)
- WHERE k.scope = v.scope AND k.key = v.key AND k.lease_token = v.token::uuid
-   AND k.state = 'in_flight'
-RETURNING k.scope, k.key, CASE WHEN k.waiters THEN pg_notify('idemgate_keys', v.id) END";
+/// for two keys or more: a function (migrations/0007) that runs the single-key completion for
+/// each key in the order given, each fenced by its own lease token and announced when someone
+/// waits for it. One row back for each key written: its 1-based position.
+pub(super) const FINISH_BATCH_CALL: &str =
+    "SELECT idemgate_finish_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 pub(super) const FINISH_BATCH_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
     Type::TEXT_ARRAY,

@@ -9,8 +9,8 @@
 //!   the queue of new keys (`Batches::claim_new`); a completion to the queue of completions
 //!   (`Batches::finish`). Queued steps of different keys may go to the database together:
 //!   `ClaimBatch` is CLAIM_NEW_BATCH_SQL (one insert, `ON CONFLICT DO NOTHING`: a key that
-//!   exists is left to the full claim, alone), `FinishBatch` is FINISH_BATCH_SQL (one update,
-//!   each key fenced by its own token). Or a step runs alone (`ClaimAlone`, `Finish`): a batch
+//!   exists is left to the full claim, alone), `FinishBatch` is FINISH_BATCH_CALL (one
+//!   statement, each key fenced by its own token). Or a step runs alone (`ClaimAlone`, `Finish`): a batch
 //!   of one, a key the batched insert found, or a key whose batch failed. Two steps of one key
 //!   never share a batch (`one_per_key` sends the later one alone), so each runs alone here.
 //!   The claim's decisions come from the decision table (`decisions.rs`), as in the parent
