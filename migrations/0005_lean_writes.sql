@@ -1,12 +1,12 @@
 -- The keys table as lean per new key as a bare claim + completion pair.
 --
--- 1. No CHECK constraints. PostgreSQL rebuilds every CHECK from its stored expression text at
---    the start of each statement that writes the table (a parse per statement, the top of its
---    profile per new key). What they guarded is guarded by the statements that write those
---    columns (src/store/postgres/statements.rs): the claim writes 'in_flight' with a generated lease
---    token and a lease expiry; the completion can only write 'completed' with status, headers
---    and body, or 'not_replayable' or 'unknown', and fails (state NULL) on anything else. A
---    test checks every row after the gateway's flows (tests/it/row_invariants.rs).
+-- 1. No CHECK constraints. PostgreSQL rebuilds every CHECK from its stored expression text at the
+--    start of each statement that writes the table (a parse per statement, the top of its profile
+--    per new key). What they guarded is guarded by the statements that write those columns
+--    (src/store/postgres/statements.rs): the claim writes 'in_flight' with a generated lease token
+--    and a lease expiry; the completion can only write 'completed' with status, headers and body,
+--    or 'not_replayable' or 'unknown', and fails (state NULL) on anything else. A test checks every
+--    row after the gateway's flows (tests/it/row_invariants.rs).
 --
 -- 2. Garbage collection no longer indexes expires_at, which every completion rewrites: an
 --    UPDATE that changes an indexed column can never be HOT (it adds an entry to every index

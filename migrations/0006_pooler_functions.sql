@@ -1,15 +1,14 @@
--- The two statements of a new key (the claim, src/store/postgres/statements.rs CLAIM_NEW_SQL, and the
--- completion, FINISH_SQL) as PL/pgSQL functions, for a gateway behind a pooler in transaction
--- mode (store.postgres.pooler: transaction). There a named prepared statement cannot be used
--- (the next transaction may run on another server connection), so each statement sent would
--- be parsed and planned every time: about twice the database CPU per key of a prepared one.
--- PL/pgSQL caches each statement's plan per server session, and the pooler keeps those
--- sessions, so a call is parsed and planned once per session (benches/pooler_cost.sh measures
--- the three; docs/scaling.md has the numbers). A direct session keeps using the statements
--- themselves, prepared.
+-- The two statements of a new key (src/store/postgres/statements.rs: the claim, CLAIM_NEW_SQL, and
+-- the completion, FINISH_SQL) as PL/pgSQL functions, for a gateway behind a pooler in transaction
+-- mode (store.postgres.pooler: transaction). There a named prepared statement cannot be used (the
+-- next transaction may run on another server connection), so each statement sent would be parsed
+-- and planned every time: about twice the database CPU per key of a prepared one. PL/pgSQL caches
+-- each statement's plan per server session, and the pooler keeps those sessions, so a call is
+-- parsed and planned once per session (benches/pooler_cost.sh measures the three; docs/scaling.md
+-- has the numbers). A direct session keeps using the statements themselves, prepared.
 --
--- The bodies are the statements verbatim (a unit test in src/store/postgres/statements.rs checks it), so
--- both paths write the same rows.
+-- The bodies are the statements verbatim (a unit test in src/store/postgres/statements.rs
+-- checks it), so both paths write the same rows.
 
 CREATE OR REPLACE FUNCTION idemgate_claim_new(text, text, text, bytea, bigint, bigint)
 RETURNS text
