@@ -16,7 +16,7 @@ use std::borrow::Cow;
 use sha2::{Digest, Sha256};
 
 use crate::config::FingerprintConfig;
-use crate::json::{Json, MAX_DEPTH, Node, Text};
+use crate::json::{Json, MAX_DEPTH, Member, Node, Text};
 
 /// A SHA-256 digest.
 pub type Fingerprint = [u8; 32];
@@ -131,7 +131,7 @@ impl<'a> HashWriter<'a> {
         self.n += bytes.len() as u64;
         let end = self.len + bytes.len();
         if end <= Self::BUFFER {
-            self.buf[self.len..end].copy_from_slice(bytes);
+            copy_short(&mut self.buf[self.len..end], bytes);
             self.len = end;
         } else {
             self.spill(bytes);
@@ -154,6 +154,30 @@ impl<'a> HashWriter<'a> {
     fn finish(self) -> u64 {
         self.h.update(&self.buf[..self.len]);
         self.n
+    }
+}
+
+/// `src` into `dst` (of the same length). Most writes are a few bytes (a name, a digit, a
+/// comma): those are copied in two overlapping loads and stores of a fixed size, rather than
+/// by a call to `memcpy` for a length known only at run time.
+#[inline(always)]
+fn copy_short(dst: &mut [u8], src: &[u8]) {
+    let n = src.len();
+    match n {
+        8..=16 => {
+            dst[..8].copy_from_slice(&src[..8]);
+            dst[n - 8..].copy_from_slice(&src[n - 8..]);
+        }
+        4..=7 => {
+            dst[..4].copy_from_slice(&src[..4]);
+            dst[n - 4..].copy_from_slice(&src[n - 4..]);
+        }
+        1..=3 => {
+            dst[0] = src[0];
+            dst[n / 2] = src[n / 2];
+            dst[n - 1] = src[n - 1];
+        }
+        _ => dst.copy_from_slice(src),
     }
 }
 
@@ -228,7 +252,21 @@ fn canonical<W: std::io::Write>(
                     .ok()
             });
             let mut first = true;
+            // The first of `named` not behind the member at hand.
+            let mut next = 0;
             for (i, m) in members.iter().enumerate() {
+                while named.get(next).is_some_and(|&(at, _)| at < i) {
+                    next += 1;
+                }
+                if named.get(next).is_none_or(|&(at, _)| at != i) {
+                    // No pointer names it (nearly every member): written whole.
+                    if !first {
+                        out.write_all(b",")?;
+                    }
+                    first = false;
+                    member(doc, m, out, depth)?;
+                    continue;
+                }
                 let Some(deeper) = below(&named, i) else {
                     continue; // this very member is ignored
                 };
@@ -305,9 +343,7 @@ fn whole<W: std::io::Write>(
                 if i > 0 {
                     out.write_all(b",")?;
                 }
-                write_str(out, doc, m.name)?;
-                out.write_all(b":")?;
-                whole(doc, m.value, out, depth + 1)?;
+                member(doc, m, out, depth)?;
             }
             out.write_all(b"}")?;
         }
@@ -326,6 +362,20 @@ fn whole<W: std::io::Write>(
         }
     }
     Ok(())
+}
+
+/// A member of an object inside `depth` arrays and objects, written whole: its name, a
+/// colon, its value.
+#[inline]
+fn member<W: std::io::Write>(
+    doc: &Json<'_>,
+    m: &Member,
+    out: &mut W,
+    depth: usize,
+) -> Result<(), Unwritten> {
+    write_str(out, doc, m.name)?;
+    out.write_all(b":")?;
+    whole(doc, m.value, out, depth + 1)
 }
 
 /// An integer in decimal, `-` first if `negative`.
@@ -355,7 +405,13 @@ fn write_integer<W: std::io::Write>(
 /// A string as serde_json writes it: quoted, with `"`, `\` and control characters escaped
 /// (nothing else). A string as written in the body had no escapes there, so it has none of
 /// those ([`Text`]); only a decoded one is looked at.
+#[inline]
 fn write_str<W: std::io::Write>(out: &mut W, doc: &Json<'_>, t: Text) -> Result<(), Unwritten> {
+    if let Some(quoted) = doc.quoted(t) {
+        // As written in the body, quotes and all: one write.
+        out.write_all(quoted)?;
+        return Ok(());
+    }
     let s = doc.text(t);
     let needs_escapes = |s: &str| s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\');
     debug_assert!(t.is_decoded() || !needs_escapes(s));

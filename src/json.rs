@@ -171,6 +171,18 @@ impl<'a> Json<'a> {
         text_of(self.body, &self.decoded, t)
     }
 
+    /// A string as written in the body between its quotes, the quotes included, if it was
+    /// written there without escapes (then it is written out as it is).
+    #[inline]
+    pub fn quoted(&self, t: Text) -> Option<&[u8]> {
+        if t.is_decoded() {
+            return None;
+        }
+        let start = t.start as usize;
+        let body = self.body.as_bytes();
+        body.get(start.checked_sub(1)?..start + t.len as usize + 1)
+    }
+
     /// An array's or an object's text as written in the body, if it is written there as its
     /// canonical form writes it: compact, names sorted by their bytes, no escapes, numbers as
     /// serde_json keeps them, and so all the way down. Only the outermost such containers

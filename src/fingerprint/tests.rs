@@ -233,6 +233,26 @@ fn the_hash_writer_buffers_without_changing_the_hash() {
 }
 
 #[test]
+fn writes_of_every_short_length_hash_as_their_bytes() {
+    // Each length up to past the short copies' 16 bytes, again and again: the buffer fills
+    // and spills at every place in a write.
+    let bytes: Vec<u8> = (0..=255u8).cycle().take(64).collect();
+    let mut written = Vec::new();
+    let mut h = Sha256::new();
+    let mut w = HashWriter::new(&mut h);
+    for round in 0..400 {
+        for len in 0..=20 {
+            let piece = &bytes[(round + len) % 40..][..len];
+            w.put(piece);
+            written.extend_from_slice(piece);
+        }
+    }
+    assert!(written.len() > 2 * HashWriter::BUFFER);
+    assert_eq!(w.finish(), written.len() as u64);
+    assert_eq!(<[u8; 32]>::from(h.finalize()), sha256(&written));
+}
+
+#[test]
 fn ignored_array_elements_are_named_by_their_index() {
     assert_eq!(
         canon(

@@ -13,7 +13,7 @@
 //! somewhere is still read in order up to the first string or token that reaches the break
 //! (so the order of errors is the same).
 
-use super::scan::{SHORT_ESCAPES, hex4, scan, scan_words};
+use super::scan::{SHORT_ESCAPES, hex4, scan_run, scan_words};
 use super::{MAX_DEPTH, NUMBER_TOKEN, Refusal};
 
 /// What the reader hands its values to. `Value` is what a finished value is to the sink (a
@@ -313,7 +313,7 @@ impl<'a> Reader<'a> {
     fn string(&mut self, out: Option<&mut Vec<u8>>) -> Result<Str<'a>, Refusal> {
         let start = self.pos + 1;
         let raw = self.raw;
-        let mut i = scan(raw, start);
+        let mut i = scan_run(raw, start);
         let escaped = raw.get(i) != Some(&b'"');
         let mut decoded = None;
         if escaped {

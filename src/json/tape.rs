@@ -39,16 +39,32 @@ pub(super) struct Tape<'a> {
     order_spare: Vec<order::Key>,
 }
 
-/// An open container.
+/// An open container. Its numbers are offsets and counts within one document, which is
+/// shorter than 2^31 bytes ([`super::MAX_DOCUMENT`]): 32 bits hold them, and a frame is 20
+/// bytes rather than 40 (one is pushed and popped for every container).
 struct Frame {
     /// Where its values start on their stack.
-    mark: usize,
+    mark: u32,
     /// Where it starts in the body, and the white space skipped before.
-    at: Mark,
+    pos: u32,
+    spaces: u32,
     /// Where the verbatim records of its values start.
-    verbatim: usize,
+    verbatim: u32,
     /// Whether its values so far are written as the canonical form writes them.
     canonical: bool,
+}
+
+impl Frame {
+    #[inline(always)]
+    fn new(mark: usize, at: Mark, verbatim: usize) -> Frame {
+        Frame {
+            mark: mark as u32,
+            pos: at.pos as u32,
+            spaces: at.spaces as u32,
+            verbatim: verbatim as u32,
+            canonical: true,
+        }
+    }
 }
 
 impl<'a> Tape<'a> {
@@ -146,13 +162,12 @@ impl<'a> Tape<'a> {
             len: len as u32,
             verbatim: 0,
         };
-        if frame.canonical && end.spaces == frame.at.spaces {
-            if self.verbatim.len() > frame.verbatim {
-                self.verbatim.truncate(frame.verbatim);
+        if frame.canonical && end.spaces == frame.spaces as usize {
+            if self.verbatim.len() > frame.verbatim as usize {
+                self.verbatim.truncate(frame.verbatim as usize);
                 forget_verbatim(&mut self.items, &mut self.members, span, object);
             }
-            self.verbatim
-                .push((frame.at.pos as u32, (end.pos - frame.at.pos) as u32));
+            self.verbatim.push((frame.pos, end.pos as u32 - frame.pos));
             span.verbatim = self.verbatim.len() as u32;
         }
         span
@@ -251,12 +266,8 @@ impl<'a> Sink<'a> for Tape<'a> {
 
     #[inline]
     fn begin_array(&mut self, at: Mark) {
-        self.frames.push(Frame {
-            mark: self.open_items.len(),
-            at,
-            verbatim: self.verbatim.len(),
-            canonical: true,
-        });
+        self.frames
+            .push(Frame::new(self.open_items.len(), at, self.verbatim.len()));
     }
 
     #[inline]
@@ -274,8 +285,9 @@ impl<'a> Sink<'a> for Tape<'a> {
         if let Some(v) = last {
             frame.canonical &= is_canonical(&v);
             // One element (a wrapper) needs no drain.
-            if self.open_items.len() > frame.mark {
-                self.items.extend(self.open_items.drain(frame.mark..));
+            if self.open_items.len() > frame.mark as usize {
+                self.items
+                    .extend(self.open_items.drain(frame.mark as usize..));
             }
             self.items.push(v);
         }
@@ -285,12 +297,8 @@ impl<'a> Sink<'a> for Tape<'a> {
 
     #[inline]
     fn begin_object(&mut self, at: Mark) {
-        self.frames.push(Frame {
-            mark: self.open_members.len(),
-            at,
-            verbatim: self.verbatim.len(),
-            canonical: true,
-        });
+        self.frames
+            .push(Frame::new(self.open_members.len(), at, self.verbatim.len()));
     }
 
     #[inline]
@@ -320,7 +328,7 @@ impl<'a> Sink<'a> for Tape<'a> {
         };
         if let Some(v) = last {
             frame.canonical &= is_canonical(&v);
-            if self.open_members.len() == frame.mark + 1
+            if self.open_members.len() == frame.mark as usize + 1
                 && let Some(mut m) = self.open_members.pop()
             {
                 // One member (a wrapper): nothing to compare.
@@ -341,7 +349,7 @@ impl<'a> Tape<'a> {
     /// [`Sink::end_object`] of an object of no member or more than one.
     #[inline(never)]
     fn end_wider_object(&mut self, mut frame: Frame, end: Mark) -> Result<Node, Refusal> {
-        let mark = frame.mark;
+        let mark = frame.mark as usize;
         let start = self.members.len();
         let (body, decoded) = (self.body.as_bytes(), self.decoded.as_slice());
         let name = |m: &Member| bytes_of(body, decoded, m.name);
