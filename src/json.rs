@@ -174,7 +174,7 @@ impl<'a> Json<'a> {
     /// A string as written in the body between its quotes, the quotes included, if it was
     /// written there without escapes (then it is written out as it is).
     #[inline]
-    pub fn quoted(&self, t: Text) -> Option<&[u8]> {
+    pub(crate) fn quoted(&self, t: Text) -> Option<&[u8]> {
         if t.is_decoded() {
             return None;
         }
