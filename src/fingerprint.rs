@@ -267,7 +267,7 @@ fn canonical<W: std::io::Write>(
                     member(doc, m, out, depth)?;
                     continue;
                 }
-                let Some(deeper) = below(&named, i) else {
+                let Some(deeper) = below(&named[next..], i) else {
                     continue; // this very member is ignored
                 };
                 if !first {
@@ -412,10 +412,9 @@ fn write_str<W: std::io::Write>(out: &mut W, doc: &Json<'_>, t: Text) -> Result<
         out.write_all(quoted)?;
         return Ok(());
     }
+    // Decoded from escapes (or respelled): it may have characters to escape.
     let s = doc.text(t);
-    let needs_escapes = |s: &str| s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\');
-    debug_assert!(t.is_decoded() || !needs_escapes(s));
-    if t.is_decoded() && needs_escapes(s) {
+    if s.bytes().any(|b| b < 0x20 || b == b'"' || b == b'\\') {
         serde_json::to_writer(&mut *out, s)?;
     } else {
         out.write_all(b"\"")?;
