@@ -256,11 +256,25 @@ fn array_index(token: &str) -> Option<usize> {
 /// `Some(false)` if it is JSON without repeats, `None` if it is not JSON at all (or nested
 /// deeper than [`MAX_DEPTH`]). Builds nothing: names without escapes are borrowed.
 pub fn has_duplicate_member(raw: &[u8]) -> Option<bool> {
-    match parse::read(raw, parse::utf8_prefix(raw), &mut names::Names::new(raw)) {
+    match check(raw) {
         Ok(()) => Some(false),
         Err(Refusal::Repeated) => Some(true),
-        Err(Refusal::NotJson) => None,
+        Err(Refusal::NotJson | Refusal::TooDeep) => None,
     }
+}
+
+/// Whether the gateway refuses a body that says it is JSON even where it reads nothing of it
+/// (400 `body-not-json`): it repeats a member name, which two parsers may read two ways, or
+/// it nests deeper than [`MAX_DEPTH`], which the gateway does not read whole and so cannot
+/// tell free of repeats (a repeat may lie past the deep part). A body that is not JSON in any
+/// other way is not refused: nothing of it is read, and the upstream answers it.
+pub fn is_ambiguous(raw: &[u8]) -> bool {
+    matches!(check(raw), Err(Refusal::Repeated | Refusal::TooDeep))
+}
+
+/// The repeated-member check over a whole text.
+fn check(raw: &[u8]) -> Result<(), Refusal> {
+    parse::read(raw, parse::utf8_prefix(raw), &mut names::Names::new(raw))
 }
 
 /// Why a body is not JSON to the gateway.
@@ -268,4 +282,6 @@ pub fn has_duplicate_member(raw: &[u8]) -> Option<bool> {
 pub(crate) enum Refusal {
     NotJson,
     Repeated,
+    /// Nested deeper than [`MAX_DEPTH`] (before any repeat or other error).
+    TooDeep,
 }

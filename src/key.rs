@@ -24,7 +24,7 @@ use http::HeaderMap;
 
 use crate::config::{Idempotency, KeySource, ScopeSource};
 use crate::fingerprint::{hex, sha256};
-use crate::json::{Json, Node, has_duplicate_member};
+use crate::json::{Json, Node, is_ambiguous};
 
 /// The identity of a key outside the store: 32 hex chars of SHA-256 over its scope, a zero
 /// byte and the key. What the access log, the key API, wake-ups (a `NOTIFY` payload) and the
@@ -114,12 +114,10 @@ impl<'a> JsonBody<'a> {
     }
 
     /// Refuses a body that says it is JSON and repeats a member name, even where nothing is
-    /// read from it (the upstream's parser may read it another way than a fingerprint does).
+    /// read from it (the upstream's parser may read it another way than a fingerprint does),
+    /// or nests deeper than the gateway reads, where a repeat could hide ([`is_ambiguous`]).
     pub fn refuse_ambiguous(&mut self, headers: &HeaderMap) -> Result<(), KeyError> {
-        if self.parsed.is_none()
-            && is_json_content_type(headers)
-            && has_duplicate_member(self.raw) == Some(true)
-        {
+        if self.parsed.is_none() && is_json_content_type(headers) && is_ambiguous(self.raw) {
             self.parsed = Some(None);
             return Err(KeyError::NotJson);
         }

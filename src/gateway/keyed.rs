@@ -379,10 +379,10 @@ impl KeyedRequest {
             }
             Claim::Completed(stored, expires_in) => {
                 let replay = stored.to_replay();
-                // Only a body without a repeated member (or not JSON) enters the cache: a hit
-                // skips the repeated-member check (`refuse_ambiguous`).
+                // Only a body the member check lets through (`refuse_ambiguous`) enters the
+                // cache: a hit skips the check.
                 if let Some(epoch) = self.cache_epoch
-                    && crate::json::has_duplicate_member(&body) != Some(true)
+                    && !crate::json::is_ambiguous(&body)
                 {
                     gateway.inflight.cache_fill(
                         epoch,

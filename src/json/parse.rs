@@ -140,6 +140,11 @@ pub(super) fn read<'a, S: Sink<'a>>(
     };
     reader.run(sink).map_err(|e| match e {
         Refusal::NotJson => sink.refused(),
+        // A repeat read before the text went too deep comes first, as errors do.
+        Refusal::TooDeep => match sink.refused() {
+            Refusal::Repeated => Refusal::Repeated,
+            _ => Refusal::TooDeep,
+        },
         Refusal::Repeated => Refusal::Repeated,
     })
 }
@@ -165,7 +170,7 @@ impl<'a> Reader<'a> {
             let mut value = match self.peek()? {
                 b'{' => {
                     if depth == MAX_DEPTH {
-                        return Err(Refusal::NotJson);
+                        return Err(Refusal::TooDeep);
                     }
                     let open = self.mark();
                     self.pos += 1;
@@ -193,7 +198,7 @@ impl<'a> Reader<'a> {
                 }
                 b'[' => {
                     if depth == MAX_DEPTH {
-                        return Err(Refusal::NotJson);
+                        return Err(Refusal::TooDeep);
                     }
                     sink.begin_array(self.mark());
                     self.pos += 1;

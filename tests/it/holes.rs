@@ -257,6 +257,16 @@ async fn a_json_body_with_a_repeated_member_name_is_refused() {
     assert_eq!((r.status, r.problem().as_str()), (400, "body-not-json"));
     let nested = keyed(&c, &url, &h, r#"{"a":{"to":"x","to":"y"}}"#).await;
     assert_eq!(nested.status, 400);
+    // A repeat past a part nested deeper than the gateway reads (129 levels) cannot be seen:
+    // the body is refused for its depth, not forwarded unchecked.
+    let depth = idemgate::json::MAX_DEPTH + 1;
+    let deep = format!(
+        r#"{{"pad":{}1{},"amount":1,"amount":1000}}"#,
+        "[".repeat(depth),
+        "]".repeat(depth)
+    );
+    let r = keyed(&c, &url, &h, &deep).await;
+    assert_eq!((r.status, r.problem().as_str()), (400, "body-not-json"));
     assert_eq!(keyed(&c, &url, &h, r#"{"amount":1}"#).await.status, 201);
     assert_eq!(up.executions(), 1);
 }
