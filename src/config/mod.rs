@@ -23,7 +23,8 @@
 //!   formatted back the way the config writes them ([`fmt_duration`], [`fmt_size`]).
 //!
 //! Invariants of a [`Config`]: every route names an existing upstream; every keyed route's
-//! `lease` is longer than that upstream's `timeout` and not longer than its `ttl`; route names
+//! `lease` is longer than that upstream's `timeout` (plus the store's time to record an
+//! answer) and shorter than its `ttl`; route names
 //! are unique; TLS files named by the config were readable when it was validated.
 //!
 //! Invariants of the code: every error names the YAML path of the value it concerns

@@ -94,18 +94,16 @@ pub(super) fn split(url: &str) -> Result<UrlTls, String> {
 
 /// The TLS mode and CA from the `tls` block (`configured`, when there is one) and the URL:
 /// the block wins when the URL asks for nothing; a URL that asks for TLS the block turns
-/// off, or for none where the block requires it, is refused.
+/// off, or for none where the block requires it, is refused (the message without the
+/// field's path, which the caller puts in front).
 pub(super) fn resolve(
     configured: Option<(PgTlsMode, Option<String>)>,
     url: &UrlTls,
-    field: &str,
 ) -> Result<(PgTlsMode, Option<String>), String> {
     let Some((mode, ca)) = configured else {
         let mode = url.mode.unwrap_or(PgTlsMode::Disable);
         if url.root_cert.is_some() && mode != PgTlsMode::VerifyFull {
-            return Err(format!(
-                "{field}: sslrootcert needs sslmode=verify-full (or verify-ca)"
-            ));
+            return Err("sslrootcert needs sslmode=verify-full (or verify-ca)".into());
         }
         return Ok((mode, url.root_cert.clone()));
     };
@@ -113,15 +111,13 @@ pub(super) fn resolve(
         && asked != mode
     {
         return Err(format!(
-            "{field}: sslmode={} contradicts store.postgres.tls.mode: {}; say it in one place",
+            "sslmode={} contradicts store.postgres.tls.mode: {}; say it in one place",
             url.written.as_deref().unwrap_or_default(),
             mode.as_str()
         ));
     }
     if url.root_cert.is_some() && ca.is_some() && url.root_cert != ca {
-        return Err(format!(
-            "{field}: sslrootcert contradicts store.postgres.tls.ca; say it in one place"
-        ));
+        return Err("sslrootcert contradicts store.postgres.tls.ca; say it in one place".into());
     }
     Ok((mode, ca.or_else(|| url.root_cert.clone())))
 }
@@ -151,21 +147,18 @@ mod tests {
     #[test]
     fn a_url_and_a_tls_block_must_agree() {
         let require = split("postgres://u@db/x?sslmode=require").unwrap();
+        assert_eq!(resolve(None, &require).unwrap(), (PgTlsMode::Require, None));
+        assert!(resolve(Some((PgTlsMode::Disable, None)), &require).is_err());
         assert_eq!(
-            resolve(None, &require, "f").unwrap(),
-            (PgTlsMode::Require, None)
-        );
-        assert!(resolve(Some((PgTlsMode::Disable, None)), &require, "f").is_err());
-        assert_eq!(
-            resolve(Some((PgTlsMode::Require, None)), &require, "f").unwrap(),
+            resolve(Some((PgTlsMode::Require, None)), &require).unwrap(),
             (PgTlsMode::Require, None)
         );
         let plain = split("postgres://u@db/x").unwrap();
         assert_eq!(
-            resolve(Some((PgTlsMode::VerifyFull, None)), &plain, "f").unwrap(),
+            resolve(Some((PgTlsMode::VerifyFull, None)), &plain).unwrap(),
             (PgTlsMode::VerifyFull, None)
         );
         let disable = split("postgres://u@db/x?sslmode=disable").unwrap();
-        assert!(resolve(Some((PgTlsMode::Require, None)), &disable, "f").is_err());
+        assert!(resolve(Some((PgTlsMode::Require, None)), &disable).is_err());
     }
 }

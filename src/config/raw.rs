@@ -338,7 +338,7 @@ pub(super) struct RawIdempotency {
     /// Default: the raw body bytes, no headers.
     pub(super) fingerprint: Option<RawFingerprint>,
     /// `ttl`: how long a stored answer is replayed, counted from completion. Default `24h`;
-    /// not shorter than `lease`.
+    /// longer than `lease`.
     pub(super) ttl: Option<String>,
     /// `lease`: how long an attempt owns its key. Default: the upstream's `timeout` + `15s`
     /// (+ `serialize.wait_timeout`); must exceed the upstream's `timeout` plus the store's

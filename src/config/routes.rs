@@ -127,7 +127,7 @@ fn validate_route(
             &format!("{base}.idempotency"),
             idem,
             upstream,
-            store.record_bound(),
+            store,
             extra,
         )?),
     };
@@ -177,9 +177,10 @@ fn validate_idempotency(
     base: &str,
     raw: RawIdempotency,
     upstream: &UpstreamConfig,
-    record_bound: Duration,
+    store: &StoreConfig,
     extra: &[Method],
 ) -> Result<Idempotency, ConfigError> {
+    let record_bound = store.record_bound();
     let serialize = match &raw.serialize {
         None => None,
         Some(ser) => {
@@ -293,9 +294,10 @@ fn validate_idempotency(
             format!("{base}.lease"),
             format!(
                 "must be longer than upstream '{}' timeout ({}) plus the time to record the answer \
-                 (the store's acquire_timeout + statement_timeout = {})",
+                 ({} = {})",
                 upstream.name,
                 fmt_duration(upstream.timeout),
+                store.record_bound_terms(),
                 fmt_duration(record_bound)
             ),
         ));

@@ -72,6 +72,37 @@ fn lease_not_longer_than_timeout_names_the_path() {
 }
 
 #[test]
+fn a_lease_short_of_the_record_bound_names_the_store_settings_that_make_it() {
+    let yaml = MINIMAL.replace("idempotency: {}", "idempotency: { lease: 31s }");
+    assert_eq!(
+        err(&yaml),
+        "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s) plus the \
+         time to record the answer (the store's acquire_timeout + statement_timeout = 2500ms)"
+    );
+    let embedded = yaml.replace(
+        r#"postgres: { url: "postgres://u@localhost/db" }"#,
+        "sqlite: { path: /var/lib/idemgate/keys.db }",
+    );
+    assert_eq!(
+        err(&embedded),
+        "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s) plus the \
+         time to record the answer (the store's busy_timeout + 500ms = 2500ms)"
+    );
+}
+
+#[test]
+fn a_url_error_names_its_field_once() {
+    let yaml = MINIMAL.replace(
+        "postgres://u@localhost/db",
+        "postgres://u@localhost/db?sslrootcert=%2Fca.pem",
+    );
+    assert_eq!(
+        err(&yaml),
+        "store.postgres.url: sslrootcert needs sslmode=verify-full (or verify-ca)"
+    );
+}
+
+#[test]
 fn the_database_url_never_reaches_debug_output() {
     let c = Config::from_yaml(&MINIMAL.replace(
         "postgres://u@localhost/db",

@@ -240,18 +240,14 @@ fn validate_postgres(mut pg: RawPostgres) -> Result<PostgresConfig, ConfigError>
     };
     // `sslmode` and `sslrootcert` in the URLs mean what they say (super::pg_url).
     let url = super::pg_url::split(&pg.url).map_err(|m| invalid("store.postgres.url", m))?;
-    let (tls_mode, ca) = super::pg_url::resolve(configured.clone(), &url, "store.postgres.url")
+    let (tls_mode, ca) = super::pg_url::resolve(configured.clone(), &url)
         .map_err(|m| invalid("store.postgres.url", m))?;
     pg.url = url.rest;
     if let Some(listen) = &pg.listen_url {
         let split =
             super::pg_url::split(listen).map_err(|m| invalid("store.postgres.listen_url", m))?;
-        super::pg_url::resolve(
-            Some((tls_mode, ca.clone())),
-            &split,
-            "store.postgres.listen_url",
-        )
-        .map_err(|m| invalid("store.postgres.listen_url", m))?;
+        super::pg_url::resolve(Some((tls_mode, ca.clone())), &split)
+            .map_err(|m| invalid("store.postgres.listen_url", m))?;
         pg.listen_url = Some(split.rest);
     }
     let tls_ca = ca.map(std::path::PathBuf::from);

@@ -99,6 +99,14 @@ async fn metrics_count_requests_by_route_and_outcome_without_keys_or_scopes() {
         ) >= 1.0
     );
     assert!(metric(&text, "idemgate_store_latency_seconds_count{op=\"claim\"}") >= 3.0);
+    // The start's migrations are an operation of the store too.
+    assert_eq!(
+        metric(
+            &text,
+            "idemgate_store_latency_seconds_count{op=\"migrate\"}"
+        ),
+        1.0
+    );
     assert!(metric(&text, "idemgate_store_pool_connections{state=\"max\"}") >= 1.0);
     // The test cluster streams to no standby.
     assert_eq!(metric(&text, "idemgate_store_async_standbys "), 0.0);

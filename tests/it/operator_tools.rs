@@ -53,6 +53,13 @@ async fn gc_deletes_expired_rows_in_batches_and_keeps_live_ones() {
     );
     assert_eq!(count(&db, "old").await, 0);
     assert_eq!(count(&db, "live").await, 10);
+    // One collection (of three batches) is one `gc` operation in the store's metrics.
+    let m = admin_request(&gw, http::Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&m.body);
+    assert_eq!(
+        metric(&text, "idemgate_store_latency_seconds_count{op=\"gc\"}"),
+        1.0
+    );
 }
 
 #[tokio::test]

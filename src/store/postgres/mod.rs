@@ -278,6 +278,59 @@ impl PgStore {
         migrate::apply(&mut obj, last).await
     }
 
+    /// [`Store::gc`]: batches of expired keys deleted, one short transaction each under the
+    /// collection lock, until a batch comes back short or another instance holds the lock.
+    async fn gc_batches(&self, batch: usize) -> Result<GcRun, StoreError> {
+        let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
+        let mut deleted = 0u64;
+        loop {
+            // One short transaction per batch, each under the collection lock.
+            let mut obj = self.db.conn().await?;
+            let bound = self.db.statement_timeout * 2 + CLIENT_SLACK;
+            let step = async {
+                let tx = self.db.begin(&mut obj).await?;
+                let locked: bool = tx
+                    .query_typed_one(
+                        "SELECT pg_try_advisory_xact_lock($1)",
+                        &[(&GC_LOCK, Type::INT8)],
+                    )
+                    .await?
+                    .get(0);
+                if !locked {
+                    return Ok(None);
+                }
+                // Rows still at migration 5's default first (an earlier release's
+                // instance inserted them), so the delete below does not pass over them.
+                tx.execute_typed(BACKFILL_GC_AFTER_SQL, &[(&batch, Type::INT8)])
+                    .await?;
+                let n = tx.execute_typed(GC_SQL, &[(&batch, Type::INT8)]).await?;
+                tx.execute_typed(GC_SLOTS_SQL, &[(&batch, Type::INT8)])
+                    .await?;
+                tx.commit().await?;
+                Ok::<_, tokio_postgres::Error>(Some(n))
+            };
+            match tokio::time::timeout(bound, step).await {
+                Err(_) => {
+                    drop(Object::take(obj));
+                    return Err(StoreError::Timeout);
+                }
+                Ok(Err(e)) => return Err(pg_error(e)),
+                Ok(Ok(None)) => {
+                    return Ok(GcRun {
+                        deleted,
+                        ran: deleted > 0,
+                    });
+                }
+                Ok(Ok(Some(n))) => {
+                    deleted += n;
+                    if n < batch as u64 {
+                        return Ok(GcRun { deleted, ran: true });
+                    }
+                }
+            }
+        }
+    }
+
     /// The migrations' online work: indexes built concurrently and backfills in batches,
     /// while the gateway serves, on a direct session of its own (`listen_url`). Idempotent;
     /// one instance at a time does it.
@@ -391,54 +444,10 @@ impl Store for PgStore {
 
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>> {
         Box::pin(async move {
-            let batch = i64::try_from(batch.max(1)).unwrap_or(i64::MAX);
-            let mut deleted = 0u64;
-            loop {
-                // One short transaction per batch, each under the collection lock.
-                let mut obj = self.db.conn().await?;
-                let bound = self.db.statement_timeout * 2 + CLIENT_SLACK;
-                let step = async {
-                    let tx = self.db.begin(&mut obj).await?;
-                    let locked: bool = tx
-                        .query_typed_one(
-                            "SELECT pg_try_advisory_xact_lock($1)",
-                            &[(&GC_LOCK, Type::INT8)],
-                        )
-                        .await?
-                        .get(0);
-                    if !locked {
-                        return Ok(None);
-                    }
-                    // Rows still at migration 5's default first (an earlier release's
-                    // instance inserted them), so the delete below does not pass over them.
-                    tx.execute_typed(BACKFILL_GC_AFTER_SQL, &[(&batch, Type::INT8)])
-                        .await?;
-                    let n = tx.execute_typed(GC_SQL, &[(&batch, Type::INT8)]).await?;
-                    tx.execute_typed(GC_SLOTS_SQL, &[(&batch, Type::INT8)])
-                        .await?;
-                    tx.commit().await?;
-                    Ok::<_, tokio_postgres::Error>(Some(n))
-                };
-                match tokio::time::timeout(bound, step).await {
-                    Err(_) => {
-                        drop(Object::take(obj));
-                        return Err(StoreError::Timeout);
-                    }
-                    Ok(Err(e)) => return Err(pg_error(e)),
-                    Ok(Ok(None)) => {
-                        return Ok(GcRun {
-                            deleted,
-                            ran: deleted > 0,
-                        });
-                    }
-                    Ok(Ok(Some(n))) => {
-                        deleted += n;
-                        if n < batch as u64 {
-                            return Ok(GcRun { deleted, ran: true });
-                        }
-                    }
-                }
-            }
+            let started = std::time::Instant::now();
+            let run = self.gc_batches(batch).await;
+            self.db.metrics.record("gc", started.elapsed(), &run);
+            run
         })
     }
 
@@ -489,7 +498,14 @@ impl Store for PgStore {
     }
 
     fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
-        Box::pin(PgStore::migrate(self))
+        Box::pin(async move {
+            let started = std::time::Instant::now();
+            let applied = PgStore::migrate(self).await;
+            self.db
+                .metrics
+                .record("migrate", started.elapsed(), &applied);
+            applied
+        })
     }
 
     fn migrate_online(&self) -> BoxFuture<'_, Result<OnlineRun, StoreError>> {
