@@ -333,3 +333,111 @@ async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease
         "no lease counted lost:\n{text}"
     );
 }
+
+/// The same lost reply on a batched completion: two answers written in one statement whose
+/// reply never comes back. The batch then hands each key back to be written alone, which
+/// finds the row already finished (by the batch, within this attempt's lease): each is
+/// recognized as its own, and no lease is counted lost.
+#[tokio::test]
+async fn a_batched_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease() {
+    use crate::support::fault_proxy::{Fault, FaultProxy};
+    let gate = Gate::new();
+    let up = Upstream::start_with(Behavior {
+        body: Some(bytes::Bytes::from_static(b"lost-reply-answer")),
+        gate: Some(gate.clone()),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let pg_addr: std::net::SocketAddr = db
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(addr, _)| addr.parse().expect("host:port"))
+        .expect("a postgres URL with an address");
+    let proxy = FaultProxy::start(
+        pg_addr,
+        Fault::LoseRepliesAfter {
+            marker: b"lost-reply-answer",
+        },
+    )
+    .await;
+    let through_proxy = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
+    // Two connections, and statements that may wait 3s for one (and for a lock).
+    let yaml = config_yaml(&through_proxy, &up.url(), "")
+        .patch(
+            "pool_size: 8",
+            &format!("pool_size: 2, listen_url: \"{db}\""),
+        )
+        .patch("acquire_timeout: 500ms", "acquire_timeout: 3s")
+        .patch("statement_timeout: 1s", "statement_timeout: 3s");
+    let gw = TestGateway::start(&yaml, &db).await;
+    let url = gw.url("/pay");
+    let send_key = |key: &'static str| {
+        let url = url.clone();
+        tokio::spawn(async move { post_to(&client(), &url, "a", key, "x").await })
+    };
+    // Two requests claimed, held at the upstream.
+    let batched = [send_key("k1"), send_key("k2")];
+    gate.wait_arrived(2).await;
+    // Writes wait; two more claims take both connections and wait for the lock.
+    let lock = sql(&db).await;
+    lock.batch_execute("BEGIN; LOCK TABLE idemgate_keys IN EXCLUSIVE MODE")
+        .await
+        .expect("locking the keys table");
+    let behind = [send_key("k3"), send_key("k4")];
+    let watcher = sql(&db).await;
+    wait_until(
+        "both connections' claims wait for the lock",
+        Duration::from_secs(10),
+        || async { lock_waiters(&watcher).await == 2 },
+    )
+    .await;
+    // The first two answers come back; their completions queue for a connection, together.
+    gate.release(2);
+    let held = 4.0 + 2.0 * "lost-reply-answer".len() as f64;
+    wait_until(
+        "both answers are captured (and their completions queued)",
+        Duration::from_secs(10),
+        || async {
+            let text = admin_request(&gw, http::Method::GET, "/metrics", None)
+                .await
+                .body;
+            metric(&String::from_utf8_lossy(&text), "idemgate_buffered_bytes ") >= held
+        },
+    )
+    .await;
+    gate.open();
+    lock.batch_execute("COMMIT")
+        .await
+        .expect("releasing the lock");
+    for reply in batched.into_iter().chain(behind) {
+        let reply = reply.await.expect("a reply");
+        assert_eq!(
+            (reply.status, &reply.body[..]),
+            (201, &b"lost-reply-answer"[..]),
+            "{reply:?}"
+        );
+    }
+    let c = client();
+    for key in ["k1", "k2", "k3", "k4"] {
+        let retry = post_to(&c, &url, "a", key, "x").await;
+        assert!(retry.replayed(), "{key}: {retry:?}");
+    }
+    assert_eq!(up.executions(), 4);
+    let metrics = admin_request(&gw, http::Method::GET, "/metrics", None).await;
+    let text = String::from_utf8_lossy(&metrics.body);
+    // The first two completions went in one statement, queued together before any other
+    // (the reply lost was a batch's); the last two may have gathered as well.
+    let statements = metric(&text, "idemgate_store_batch_keys_count{op=\"finish\"}");
+    let keys = metric(&text, "idemgate_store_batch_keys_sum{op=\"finish\"}");
+    assert_eq!(keys, 4.0, "{text}");
+    assert!(statements <= 3.0, "a statement carried two keys:\n{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "idemgate_leases_total{route=\"payments\",event=\"lost\"} "
+        ),
+        0.0,
+        "no lease counted lost:\n{text}"
+    );
+}
