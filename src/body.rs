@@ -126,4 +126,17 @@ impl hyper::body::Body for Prefixed {
         }
         std::pin::Pin::new(&mut self.rest).poll_frame(cx)
     }
+
+    /// At least the head, which is held in memory (what the byte budget counts for a body
+    /// passed on past a limit: `gateway::keyed`'s `hold_answer`); at most the head and what
+    /// the rest may still bring.
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        let head = self.head.as_ref().map_or(0, |h| h.len() as u64);
+        let mut hint = hyper::body::SizeHint::new();
+        hint.set_lower(head);
+        if let Some(upper) = self.rest.size_hint().upper() {
+            hint.set_upper(head.saturating_add(upper));
+        }
+        hint
+    }
 }

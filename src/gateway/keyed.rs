@@ -188,7 +188,11 @@ impl Gateway {
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
         use hyper::body::Body as _;
-        let size = resp.body().size_hint().exact().unwrap_or(0);
+        // What of it is in memory: all of a whole answer; of one passed on past
+        // `max_stored_response`, the head read before it was known too large (`Prefixed`,
+        // whose size hint starts there).
+        let hint = resp.body().size_hint();
+        let size = hint.exact().unwrap_or(hint.lower());
         let size = usize::try_from(size).unwrap_or(usize::MAX);
         if replay {
             if !bytes.try_resize(size) {

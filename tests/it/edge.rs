@@ -398,6 +398,195 @@ async fn an_answer_is_counted_until_it_is_written() {
     assert_eq!(up.executions(), 1);
 }
 
+/// An h2c connection with prior knowledge to the gateway (hyper's client; it keeps to the
+/// stream limit the gateway's SETTINGS announce, queueing the streams past it).
+async fn h2_connection(
+    gw: &GatewayProcess,
+) -> hyper::client::conn::http2::SendRequest<http_body_util::Full<bytes::Bytes>> {
+    let stream = TcpStream::connect(gw.addr).await.unwrap();
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    sender
+}
+
+/// A keyed h2 request for `key` on the `webhooks` route.
+fn h2_keyed(gw: &GatewayProcess, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    http::Request::builder()
+        .method(http::Method::POST)
+        .uri(gw.url("/webhooks/pay"))
+        .header("idempotency-key", key)
+        .header("x-account-id", "a")
+        .header("content-type", "application/json")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"{}")))
+        .unwrap()
+}
+
+/// `server.h2_max_concurrent_streams` bounds the requests one h2 connection has open at once;
+/// another connection is not held back by it.
+#[tokio::test]
+async fn one_h2_connection_has_at_most_its_stream_limit_open() {
+    let gate = Gate::new();
+    let up = Upstream::start_with(Behavior {
+        gate: Some(gate.clone()),
+        ..Behavior::default()
+    })
+    .await;
+    let gw = gateway(&up, ", h2_max_concurrent_streams: 2", "", "").await;
+    let sender = h2_connection(&gw).await;
+    let on_one: Vec<_> = (0..3)
+        .map(|i| {
+            let mut sender = sender.clone();
+            let req = h2_keyed(&gw, &format!("s{i}"));
+            tokio::spawn(async move { sender.send_request(req).await })
+        })
+        .collect();
+    gate.wait_arrived(2).await;
+    // A request on a connection of its own arrives while the first connection's third waits.
+    let mut other = h2_connection(&gw).await;
+    let req = h2_keyed(&gw, "other");
+    let alone = tokio::spawn(async move { other.send_request(req).await });
+    wait_until(
+        "the other connection's request arrives",
+        Duration::from_secs(10),
+        || async {
+            up.seen().iter().any(|s| {
+                s.headers
+                    .get("idempotency-key")
+                    .is_some_and(|k| k == "other")
+            })
+        },
+    )
+    .await;
+    // Sent after the first connection's three, it arrived; the third of those did not.
+    assert_eq!(
+        gate.arrived(),
+        3,
+        "the third stream of the first connection waits"
+    );
+    gate.open();
+    // A stream past the limit either waited at the client (which had the gateway's SETTINGS)
+    // or was refused by the gateway unprocessed (REFUSED_STREAM: the client sent it before
+    // the SETTINGS arrived); either way, never executed beyond the limit.
+    let mut answered = 0;
+    for answer in on_one.into_iter().chain([alone]) {
+        match answer.await.unwrap() {
+            Ok(answer) => {
+                assert_eq!(answer.status(), 201);
+                answered += 1;
+            }
+            Err(e) => assert!(format!("{e:?}").contains("REFUSED_STREAM"), "{e:?}"),
+        }
+    }
+    assert!(answered >= 3, "all but a refused one answered");
+    assert_eq!(up.executions(), answered);
+}
+
+/// The memory bound counts answers waiting on h2 streams the client does not read, as on
+/// HTTP/1.1: past it a replay is refused, and the bytes come back once the streams are read.
+#[tokio::test]
+async fn unread_h2_replays_are_counted_until_they_are_written() {
+    use http_body_util::BodyExt as _;
+    let big = bytes::Bytes::from(vec![b'z'; 8 * 1024 * 1024]);
+    let up = Upstream::start_with(Behavior {
+        body: Some(big.clone()),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config(
+        &db,
+        &up.url(),
+        ", max_buffered_bytes: 20MiB",
+        "max_stored_response: 8MiB",
+        "",
+    ) + ADMIN;
+    let gw = GatewayProcess::start(&yaml).await;
+    let mut sender = h2_connection(&gw).await;
+    let first = sender.send_request(h2_keyed(&gw, "big")).await.unwrap();
+    assert_eq!(first.status(), 201);
+    assert_eq!(first.into_body().collect().await.unwrap().to_bytes(), big);
+    // Two replays on one connection, their bodies left unread (h2 flow control holds them
+    // in the gateway): both counted.
+    let mut unread = Vec::new();
+    for _ in 0..2 {
+        let replay = sender.send_request(h2_keyed(&gw, "big")).await.unwrap();
+        assert_eq!(replay.status(), 201);
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        unread.push(replay);
+    }
+    wait_until(
+        "the unread replays are counted",
+        Duration::from_secs(10),
+        || async { buffered(&gw).await >= 14.0 * 1024.0 * 1024.0 },
+    )
+    .await;
+    // A third would pass the bound: refused, nothing executed.
+    let refused = sender.send_request(h2_keyed(&gw, "big")).await.unwrap();
+    assert_eq!(refused.status(), 503);
+    // Read: the bytes come back, and replays answer again.
+    for replay in unread {
+        assert_eq!(replay.into_body().collect().await.unwrap().to_bytes(), big);
+    }
+    wait_until(
+        "the read replays are given back",
+        Duration::from_secs(10),
+        || async { buffered(&gw).await == 0.0 },
+    )
+    .await;
+    let again = sender.send_request(h2_keyed(&gw, "big")).await.unwrap();
+    assert_eq!(again.status(), 201);
+    assert_eq!(up.executions(), 1);
+}
+
+/// A first answer too large to store is passed on as it streams; what the gateway read of it
+/// before it knew (the store limit's worth) waits in memory for a slow client, and is
+/// counted until the answer is written.
+#[tokio::test]
+async fn an_answer_too_large_to_store_is_counted_until_it_is_written() {
+    let big = bytes::Bytes::from(vec![b'y'; 16 * 1024 * 1024]);
+    let up = Upstream::start_with(Behavior {
+        body: Some(big.clone()),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let yaml = config(&db, &up.url(), "", "max_stored_response: 1MiB", "") + ADMIN;
+    let gw = GatewayProcess::start(&yaml).await;
+    // A client that sends a new key and does not read the answer.
+    let mut slow = TcpStream::connect(gw.addr).await.unwrap();
+    slow.write_all(&keyed("POST", "/webhooks/pay", "too-big"))
+        .await
+        .unwrap();
+    // The answer has started (its status line is here): it is passed on, and what it holds
+    // stays counted while the rest waits for the client (16 MiB: more than the sockets take).
+    let mut status = [0u8; 12];
+    tokio::time::timeout(Duration::from_secs(10), slow.read_exact(&mut status))
+        .await
+        .expect("the answer starts")
+        .unwrap();
+    assert_eq!(&status, b"HTTP/1.1 201");
+    let held = buffered(&gw).await;
+    assert!(held > 1024.0 * 1024.0, "the head is counted: {held}");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), slow.read_to_end(&mut out))
+        .await
+        .expect("the answer is written")
+        .unwrap();
+    assert!(out.len() > big.len());
+    wait_until(
+        "the written answer is given back",
+        Duration::from_secs(10),
+        || async { buffered(&gw).await == 0.0 },
+    )
+    .await;
+    assert_eq!(up.executions(), 1);
+}
+
 /// An HTTP/1.1 upstream whose keep-alive timeout is 1 s, like gunicorn's 2 s or Node.js's
 /// 5 s but shorter, with the race at its close made certain: a request that arrives on a
 /// connection idle for 1 s or more is read and the connection closed without an answer (as
