@@ -167,7 +167,8 @@ async fn dispatch<T: Item>(
                 None => return,
             }
         }
-        let mut batch = Batch::new(std::mem::take(&mut carried), limits);
+        // The carried requests first, as many as the limits take; the rest wait for the next.
+        let mut batch = Batch::new(&mut carried, limits);
         batch.take_queued(&mut queue);
         let oldest = batch
             .items
@@ -249,21 +250,38 @@ struct Batch<T: Item> {
     limits: Limits,
     /// A request that did not fit in `bytes`: it starts the next batch.
     overflow: Option<Waiting<T>>,
+    /// Requests carried from an earlier batch are left for the next: nothing newer joins.
+    closed: bool,
 }
 
 impl<T: Item> Batch<T> {
-    fn new(items: Vec<Waiting<T>>, limits: Limits) -> Batch<T> {
-        let bytes = items.iter().map(|w| w.ask.bytes()).sum();
-        Batch {
-            items,
-            bytes,
+    /// A batch of the `carried` requests, in order, as many as the limits take; those left
+    /// over stay in `carried`, in order, and the batch takes nothing more (they are older
+    /// than anything queued).
+    fn new(carried: &mut Vec<Waiting<T>>, limits: Limits) -> Batch<T> {
+        let mut batch = Batch {
+            items: Vec::new(),
+            bytes: 0,
             limits,
             overflow: None,
+            closed: false,
+        };
+        let mut rest = std::mem::take(carried).into_iter();
+        for item in rest.by_ref() {
+            batch.push(item);
+            if batch.full() {
+                break;
+            }
         }
+        carried.extend(batch.overflow.take());
+        carried.extend(rest);
+        batch.closed = !carried.is_empty();
+        batch
     }
 
     fn full(&self) -> bool {
-        self.items.len() >= self.limits.keys
+        self.closed
+            || self.items.len() >= self.limits.keys
             || self.bytes >= self.limits.bytes
             || self.overflow.is_some()
     }
@@ -288,5 +306,71 @@ impl<T: Item> Batch<T> {
                 Err(_) => break,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request carrying `0` bytes of stored answer, or as many as it says.
+    struct Ask(usize);
+
+    impl Item for Ask {
+        const OP: &'static str = "test";
+        type Answer = ();
+        fn bytes(&self) -> usize {
+            self.0
+        }
+        async fn run(_: Arc<Db>, _: Object, _: Vec<Waiting<Ask>>) {}
+    }
+
+    fn waiting(bytes: usize) -> Waiting<Ask> {
+        Waiting {
+            ask: Ask(bytes),
+            queued: Instant::now(),
+            answer: oneshot::channel().0,
+        }
+    }
+
+    fn sizes(items: &[Waiting<Ask>]) -> Vec<usize> {
+        items.iter().map(|w| w.ask.0).collect()
+    }
+
+    /// Requests carried over from a batch that found no connection in time (its own, and
+    /// one that overflowed it) start the next batch within the same limits, oldest first; the
+    /// rest wait for the one after, and nothing newer is let in ahead of them.
+    #[test]
+    fn carried_requests_start_the_next_batch_within_its_limits() {
+        let limits = Limits {
+            keys: 3,
+            bytes: 1000,
+        };
+        // By bytes: 400 + 400 fit, 400 more would pass 1000.
+        let mut carried: Vec<_> = [400, 400, 400, 10].into_iter().map(waiting).collect();
+        let batch = Batch::new(&mut carried, limits);
+        assert_eq!(sizes(&batch.items), [400, 400]);
+        assert_eq!(batch.bytes, 800);
+        assert_eq!(sizes(&carried), [400, 10]);
+        assert!(
+            batch.full(),
+            "closed: the carried ones are older than what is queued"
+        );
+        // By keys.
+        let mut carried: Vec<_> = [1, 2, 3, 4, 5].into_iter().map(waiting).collect();
+        let batch = Batch::new(&mut carried, limits);
+        assert_eq!(sizes(&batch.items), [1, 2, 3]);
+        assert_eq!(sizes(&carried), [4, 5]);
+        // All of them fit: the batch may still gather.
+        let mut carried: Vec<_> = [1, 2].into_iter().map(waiting).collect();
+        let batch = Batch::new(&mut carried, limits);
+        assert_eq!(sizes(&batch.items), [1, 2]);
+        assert!(carried.is_empty());
+        assert!(!batch.full());
+        // A first request larger than the limit goes alone.
+        let mut carried: Vec<_> = [5000, 1].into_iter().map(waiting).collect();
+        let batch = Batch::new(&mut carried, limits);
+        assert_eq!(sizes(&batch.items), [5000]);
+        assert_eq!(sizes(&carried), [1]);
     }
 }
