@@ -154,6 +154,44 @@ async fn a_frozen_listener_is_replaced_when_its_probe_is_not_heard() {
     wakeups_flow(&gw).await;
 }
 
+/// A listener whose server accepts its connection and never answers the session's start-up
+/// (frozen before the session began) is given up on within its bound and tried again: once
+/// the server answers, wake-ups flow.
+#[tokio::test]
+async fn a_listener_that_never_gets_a_session_tries_again() {
+    use crate::support::fault_proxy::{Fault, FaultProxy};
+    let up = Upstream::start().await;
+    let db = pg::fresh_database().await;
+    let pg_addr: std::net::SocketAddr = db
+        .split_once('@')
+        .and_then(|(_, rest)| rest.split_once('/'))
+        .map(|(addr, _)| addr.parse().expect("host:port"))
+        .expect("a postgres URL with an address");
+    let proxy = FaultProxy::start(pg_addr, Fault::Blackhole).await;
+    let frozen = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
+    let yaml = config_yaml(&db, &up.url(), "").patch(
+        "pool_size: 8",
+        &format!("pool_size: 8, listen_url: \"{frozen}\""),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    wait_until(
+        "the listener's first connection is held by the frozen server",
+        Duration::from_secs(10),
+        || async { proxy.accepted() >= 1 },
+    )
+    .await;
+    assert!(!gw.gateway.inflight().healthy());
+    // The server answers new connections from now on; the held one stays frozen.
+    proxy.set(Fault::Pass).await;
+    wait_until(
+        "a new listener session is up",
+        Duration::from_secs(20),
+        || async { gw.gateway.inflight().healthy() },
+    )
+    .await;
+    assert!(proxy.accepted() >= 2, "the listener connected again");
+}
+
 async fn without_wake_ups_waiters_poll_and_still_get_the_one_answer(b: Backend) {
     let (up, gate) = Upstream::start_gated().await;
     let (yaml, db) = fresh_config(b, &up.url(), "").await;

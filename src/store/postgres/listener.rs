@@ -77,37 +77,52 @@ pub async fn run(
     tls: Option<MakeRustlsConnect>,
 ) {
     pg.application_name(APPLICATION_NAME);
+    // `connect_timeout` bounds the socket's connection only: the session's start-up and the
+    // LISTEN have a bound of their own, so a server that accepts and never answers (frozen)
+    // is given up on and tried again, as a frozen session is replaced.
+    let setup_bound = pg.get_connect_timeout().copied().unwrap_or(PROBE_TIMEOUT) + PROBE_TIMEOUT;
     let mut backoff = BACKOFF_MIN;
     loop {
         let (probe_tx, mut probe_rx) = mpsc::unbounded_channel::<String>();
         let wk = Arc::clone(&announce);
-        let connected = match &tls {
-            None => pg
-                .connect(NoTls)
+        let setup = async {
+            let (client, driver) = match &tls {
+                None => pg
+                    .connect(NoTls)
+                    .await
+                    .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
+                Some(tls) => pg
+                    .connect(tls.clone())
+                    .await
+                    .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
+            }
+            // Refused while the database is down: retried quietly.
+            .map_err(|e| (false, format!("cannot connect: {e}")))?;
+            // Aborted if LISTEN fails or runs out of time (a dropped handle would not).
+            let driver = AbortOnDrop(Some(driver));
+            client
+                .batch_execute(&format!("LISTEN {CHANNEL}"))
                 .await
-                .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
-            Some(tls) => pg
-                .connect(tls.clone())
-                .await
-                .map(|(client, conn)| (client, spawn_driver(conn, wk, probe_tx))),
+                .map_err(|e| (true, format!("LISTEN failed: {e}")))?;
+            Ok::<_, (bool, String)>((client, driver))
         };
-        let (client, mut driver) = match connected {
-            Ok(pair) => pair,
-            Err(e) => {
+        let set_up = tokio::time::timeout(setup_bound, setup)
+            .await
+            .unwrap_or_else(|_| Err((true, format!("no session within {setup_bound:?}"))));
+        let (client, mut driver) = match set_up {
+            Ok((client, mut driver)) => (client, driver.take()),
+            Err((warn, why)) => {
                 announce.set_healthy(false);
-                tracing::debug!(error = %e, "wake-up listener cannot connect; retrying");
+                if warn {
+                    tracing::warn!(%why, "wake-up listener not set up; retrying");
+                } else {
+                    tracing::debug!(%why, "wake-up listener not set up; retrying");
+                }
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(BACKOFF_MAX);
                 continue;
             }
         };
-        if let Err(e) = client.batch_execute(&format!("LISTEN {CHANNEL}")).await {
-            tracing::warn!(error = %e, "LISTEN failed");
-            driver.abort();
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(BACKOFF_MAX);
-            continue;
-        }
         announce.listener_session();
         let mut replace = false;
         loop {
@@ -142,6 +157,23 @@ pub async fn run(
             announce.listener_replaced();
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+}
+
+/// A task aborted when its handle is dropped, unless taken out first.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl AbortOnDrop {
+    fn take(&mut self) -> tokio::task::JoinHandle<()> {
+        self.0.take().expect("taken once")
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
         }
     }
 }

@@ -40,6 +40,8 @@ pub struct FaultProxy {
     accept: Mutex<Option<JoinHandle<()>>>,
     /// Whether a `LoseRepliesAfter` fault has fired (it fires once).
     fired: Arc<std::sync::atomic::AtomicBool>,
+    /// Connections accepted so far.
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl FaultProxy {
@@ -51,6 +53,7 @@ impl FaultProxy {
             fault: Arc::new(Mutex::new(Fault::Pass)),
             accept: Mutex::new(None),
             fired: Arc::default(),
+            accepted: Arc::default(),
         };
         proxy.listen(listener);
         proxy.set(fault).await;
@@ -80,14 +83,21 @@ impl FaultProxy {
         }
     }
 
+    /// How many connections the proxy accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     fn listen(&self, listener: TcpListener) {
         let (fault, target) = (Arc::clone(&self.fault), self.target);
         let fired = Arc::clone(&self.fired);
+        let accepted = Arc::clone(&self.accepted);
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let fault = *fault.lock().unwrap();
                 tokio::spawn(handle(client, target, fault, Arc::clone(&fired)));
             }
