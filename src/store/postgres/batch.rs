@@ -21,10 +21,11 @@
 //!   the next batch. When the pool fails otherwise, every request of the batch gets the
 //!   pool's answer. The statement runs within `statement_timeout`, with the same client-side
 //!   bound, cancel and detach as every statement ([`super::session::Db::bounded`]).
-//! - No shared fate: when a statement of several keys fails (a row locked past the
-//!   statement timeout, a deadlock, an error), each of its keys runs again alone, with its own
-//!   statement and bounds, before any of them is failed ([`answer_all`]); only a key that
-//!   fails alone is answered the error. What a request does after its batch (a key that
+//! - No shared fate: when a statement of several keys fails (a row held locked for more than
+//!   the 100 ms a batched statement waits for one, a deadlock, an error), each of its keys
+//!   runs again alone, with its own statement and bounds, before any of them is failed
+//!   ([`answer_all`]); only a key that fails alone is answered the error, and a locked row
+//!   delays the others of its batch by those 100 ms at most. What a request does after its batch (a key that
 //!   exists goes to the full claim) is a call of its own, with its own bounds.
 //! - Every request is answered exactly once: by its batch; by the dropped answer channel when
 //!   its batch panicked (a bug); or by the closed queue when the store is gone. The caller

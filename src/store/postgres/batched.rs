@@ -66,13 +66,20 @@ impl Batches {
     }
 }
 
-/// A batch statement's rows, or `None` when it was chosen as a deadlock's victim (then every
-/// key runs alone; batched inserts take their keys in one order, so it should be rare).
+/// A batch statement's rows, or `None` when it wrote nothing for a reason of one of its keys
+/// rather than of the store: chosen as a deadlock's victim (batched statements take their
+/// keys in one order, so it should be rare), or a row held locked past the batch's 100 ms
+/// (migrations/0008). Every key then runs alone, where only the one on the held row waits.
 pub(super) fn unless_deadlocked(
     found: Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
 ) -> Result<Option<Vec<tokio_postgres::Row>>, tokio_postgres::Error> {
     match found {
-        Err(e) if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED) => Ok(None),
+        Err(e)
+            if e.code() == Some(&SqlState::T_R_DEADLOCK_DETECTED)
+                || e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) =>
+        {
+            Ok(None)
+        }
         found => found.map(Some),
     }
 }
@@ -168,7 +175,7 @@ impl Item for NewKey {
                 }
                 let found = c
                     .query(
-                        CLAIM_NEW_BATCH_SQL,
+                        CLAIM_NEW_BATCH_CALL,
                         CLAIM_NEW_BATCH_TYPES,
                         &[
                             &column(&batch, |k| k.scope.as_str()),

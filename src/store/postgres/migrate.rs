@@ -68,6 +68,11 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
         "finish_batch",
         include_str!("../../../migrations/0007_finish_batch.sql"),
     ),
+    (
+        8,
+        "batch_lock_timeout",
+        include_str!("../../../migrations/0008_batch_lock_timeout.sql"),
+    ),
 ];
 
 /// The advisory lock key that serializes the migrations' transactions (and nothing else).

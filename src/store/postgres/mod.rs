@@ -16,7 +16,8 @@
 //! - New keys waiting at the same moment are claimed together, and completions waiting at
 //!   the same moment are written together (`batch_keys`, see [`super::batch`]): one
 //!   statement and one commit for several keys, each key with its own answer. The batched
-//!   claim (`CLAIM_NEW_BATCH_SQL`) is the plain insert for several rows; a key it did not
+//!   claim (`CLAIM_NEW_BATCH_CALL`, a function of migration 8 holding
+//!   `CLAIM_NEW_BATCH_SQL`) is the plain insert for several rows; a key it did not
 //!   insert exists and goes to the full claim, alone, as after the plain insert (a second
 //!   request for a key already in the batch goes there at once: the unique index orders it
 //!   with the insert). The batched completion (`FINISH_BATCH_CALL`, a function of migration 7)

@@ -36,7 +36,9 @@ pub(super) const CLAIM_NEW_CALL: &str = "SELECT idemgate_claim_new($1, $2, $3, $
 /// [`CLAIM_NEW_SQL`] for several keys in one statement and one commit (the rows of the
 /// arrays, in order, one key once), sent only for two keys or more. Each key inserted comes
 /// back with its lease token; a key that does not come back exists, and the full claim
-/// ([`CLAIM_SQL`]) decides it.
+/// ([`CLAIM_SQL`]) decides it. Sent as the body of a function ([`CLAIM_NEW_BATCH_CALL`]),
+/// which a unit test checks holds it verbatim.
+#[cfg_attr(not(test), allow(dead_code))]
 pub(super) const CLAIM_NEW_BATCH_SQL: &str = "
 INSERT INTO idemgate_keys
     (scope, key, route, fingerprint, state, lease_token, lease_expires_at, attempts,
@@ -49,6 +51,11 @@ SELECT v.scope, v.key, v.route, v.fingerprint, 'in_flight', gen_random_uuid(),
        AS v(scope, key, route, fingerprint, lease_ms, ttl_ms)
 ON CONFLICT (scope, key) DO NOTHING
 RETURNING scope, key, lease_token::text";
+/// [`CLAIM_NEW_BATCH_SQL`] as called: a function (migrations/0008) that holds the statement
+/// verbatim and waits at most 100 ms for a row lock, after which the batch's keys run alone.
+/// Rows: scope, key and lease token of each key inserted.
+pub(super) const CLAIM_NEW_BATCH_CALL: &str =
+    "SELECT o_scope, o_key, o_token FROM idemgate_claim_new_batch($1, $2, $3, $4, $5, $6)";
 pub(super) const CLAIM_NEW_BATCH_TYPES: &[Type] = &[
     Type::TEXT_ARRAY,
     Type::TEXT_ARRAY,
@@ -180,7 +187,8 @@ pub(super) const FINISH_CALL: &str = "SELECT idemgate_finish($1, $2, $3, $4, $5,
 /// [`FINISH_SQL`] for several keys in one statement and one commit (one key once), sent only
 /// for two keys or more: a function (migrations/0007) that runs the single-key completion for
 /// each key in the order given, each fenced by its own lease token and announced when someone
-/// waits for it. One row back for each key written: its 1-based position.
+/// waits for it, waiting at most 100 ms for a row lock (migrations/0008). One row back for each
+/// key written: its 1-based position.
 pub(super) const FINISH_BATCH_CALL: &str =
     "SELECT idemgate_finish_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 pub(super) const FINISH_BATCH_TYPES: &[Type] = &[
@@ -389,15 +397,25 @@ mod tests {
             (CLAIM_NEW_SQL, "idemgate_claim_new"),
             (FINISH_SQL, "idemgate_finish"),
         ] {
-            let start = sql
-                .find(&format!("FUNCTION {function}("))
-                .unwrap_or_else(|| panic!("{name} defines {function}"));
-            let body = &sql[start..];
-            let body = &body[..body.find("END\n$fn$").expect("the function ends")];
-            assert!(
-                body.contains(statement.trim()),
-                "{function} in migration {name} is not {statement}"
-            );
+            function_holds(sql, name, function, statement);
         }
+        let (_, name, sql) = MIGRATIONS
+            .iter()
+            .find(|m| m.1 == "batch_lock_timeout")
+            .expect("the migration exists");
+        function_holds(sql, name, "idemgate_claim_new_batch", CLAIM_NEW_BATCH_SQL);
+    }
+
+    /// Whether migration `name` (`sql`) defines `function` with `statement` in its body.
+    fn function_holds(sql: &str, name: &str, function: &str, statement: &str) {
+        let start = sql
+            .find(&format!("FUNCTION {function}("))
+            .unwrap_or_else(|| panic!("{name} defines {function}"));
+        let body = &sql[start..];
+        let body = &body[..body.find("END\n$fn$").expect("the function ends")];
+        assert!(
+            body.contains(statement.trim()),
+            "{function} in migration {name} is not {statement}"
+        );
     }
 }
