@@ -221,6 +221,25 @@ async fn reqwest_metrics(gw: &GatewayProcess) -> String {
 
 const ADMIN: &str = "\nadmin: { listen: \"127.0.0.1:0\" }\n";
 
+/// A gateway with an admin listener, `server` and `idem` lines added, in front of an upstream
+/// whose every answer is `size` bytes of `byte` (returned, to compare).
+async fn big_answers(
+    byte: u8,
+    size: usize,
+    server: &str,
+    idem: &str,
+) -> (bytes::Bytes, Upstream, GatewayProcess) {
+    let big = bytes::Bytes::from(vec![byte; size]);
+    let up = Upstream::start_with(Behavior {
+        body: Some(big.clone()),
+        ..Behavior::default()
+    })
+    .await;
+    let db = pg::fresh_database().await;
+    let gw = GatewayProcess::start(&(config(&db, &up.url(), server, idem, "") + ADMIN)).await;
+    (big, up, gw)
+}
+
 #[tokio::test]
 async fn declared_but_unsent_bodies_hold_nothing_and_refuse_no_one() {
     let up = Upstream::start().await;
@@ -344,21 +363,13 @@ async fn waiters_and_replays_take_no_upstream_slot() {
 #[tokio::test]
 async fn an_answer_is_counted_until_it_is_written() {
     // A 16 MiB answer: far more than a connection's socket buffers and write queue take.
-    let big = bytes::Bytes::from(vec![b'x'; 16 * 1024 * 1024]);
-    let up = Upstream::start_with(Behavior {
-        body: Some(big.clone()),
-        ..Behavior::default()
-    })
-    .await;
-    let db = pg::fresh_database().await;
-    let yaml = config(
-        &db,
-        &up.url(),
+    let (big, up, gw) = big_answers(
+        b'x',
+        16 * 1024 * 1024,
         ", max_buffered_bytes: 24MiB",
         "max_stored_response: 16MiB",
-        "",
-    ) + ADMIN;
-    let gw = GatewayProcess::start(&yaml).await;
+    )
+    .await;
     let c = client();
     let url = gw.url("/webhooks/pay");
     let first = post_to(&c, &url, "a", "big", "{}").await;
@@ -491,21 +502,13 @@ async fn one_h2_connection_has_at_most_its_stream_limit_open() {
 #[tokio::test]
 async fn unread_h2_replays_are_counted_until_they_are_written() {
     use http_body_util::BodyExt as _;
-    let big = bytes::Bytes::from(vec![b'z'; 8 * 1024 * 1024]);
-    let up = Upstream::start_with(Behavior {
-        body: Some(big.clone()),
-        ..Behavior::default()
-    })
-    .await;
-    let db = pg::fresh_database().await;
-    let yaml = config(
-        &db,
-        &up.url(),
+    let (big, up, gw) = big_answers(
+        b'z',
+        8 * 1024 * 1024,
         ", max_buffered_bytes: 20MiB",
         "max_stored_response: 8MiB",
-        "",
-    ) + ADMIN;
-    let gw = GatewayProcess::start(&yaml).await;
+    )
+    .await;
     let mut sender = h2_connection(&gw).await;
     let first = sender.send_request(h2_keyed(&gw, "big")).await.unwrap();
     assert_eq!(first.status(), 201);
@@ -548,15 +551,7 @@ async fn unread_h2_replays_are_counted_until_they_are_written() {
 /// counted until the answer is written.
 #[tokio::test]
 async fn an_answer_too_large_to_store_is_counted_until_it_is_written() {
-    let big = bytes::Bytes::from(vec![b'y'; 16 * 1024 * 1024]);
-    let up = Upstream::start_with(Behavior {
-        body: Some(big.clone()),
-        ..Behavior::default()
-    })
-    .await;
-    let db = pg::fresh_database().await;
-    let yaml = config(&db, &up.url(), "", "max_stored_response: 1MiB", "") + ADMIN;
-    let gw = GatewayProcess::start(&yaml).await;
+    let (big, up, gw) = big_answers(b'y', 16 * 1024 * 1024, "", "max_stored_response: 1MiB").await;
     // A client that sends a new key and does not read the answer.
     let mut slow = TcpStream::connect(gw.addr).await.unwrap();
     slow.write_all(&keyed("POST", "/webhooks/pay", "too-big"))

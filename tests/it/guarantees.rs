@@ -293,19 +293,13 @@ async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease
     })
     .await;
     let db = pg::fresh_database().await;
-    let pg_addr: std::net::SocketAddr = db
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .map(|(addr, _)| addr.parse().expect("host:port"))
-        .expect("a postgres URL with an address");
-    let proxy = FaultProxy::start(
-        pg_addr,
+    let (_proxy, through_proxy) = FaultProxy::in_front_of_database(
+        &db,
         Fault::LoseRepliesAfter {
             marker: b"lost-reply-answer",
         },
     )
     .await;
-    let through_proxy = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
     let yaml = config_yaml(&through_proxy, &up.url(), "").patch(
         "pool_size: 8",
         &format!("pool_size: 8, listen_url: \"{db}\""),
@@ -349,19 +343,13 @@ async fn a_batched_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lo
     })
     .await;
     let db = pg::fresh_database().await;
-    let pg_addr: std::net::SocketAddr = db
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .map(|(addr, _)| addr.parse().expect("host:port"))
-        .expect("a postgres URL with an address");
-    let proxy = FaultProxy::start(
-        pg_addr,
+    let (_proxy, through_proxy) = FaultProxy::in_front_of_database(
+        &db,
         Fault::LoseRepliesAfter {
             marker: b"lost-reply-answer",
         },
     )
     .await;
-    let through_proxy = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
     // Two connections, and statements that may wait 3s for one (and for a lock).
     let yaml = config_yaml(&through_proxy, &up.url(), "")
         .patch(

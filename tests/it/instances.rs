@@ -162,13 +162,7 @@ async fn a_listener_that_never_gets_a_session_tries_again() {
     use crate::support::fault_proxy::{Fault, FaultProxy};
     let up = Upstream::start().await;
     let db = pg::fresh_database().await;
-    let pg_addr: std::net::SocketAddr = db
-        .split_once('@')
-        .and_then(|(_, rest)| rest.split_once('/'))
-        .map(|(addr, _)| addr.parse().expect("host:port"))
-        .expect("a postgres URL with an address");
-    let proxy = FaultProxy::start(pg_addr, Fault::Blackhole).await;
-    let frozen = db.replace(&pg_addr.to_string(), &proxy.addr.to_string());
+    let (proxy, frozen) = FaultProxy::in_front_of_database(&db, Fault::Blackhole).await;
     let yaml = config_yaml(&db, &up.url(), "").patch(
         "pool_size: 8",
         &format!("pool_size: 8, listen_url: \"{frozen}\""),

@@ -60,6 +60,19 @@ impl FaultProxy {
         proxy
     }
 
+    /// A proxy in front of the PostgreSQL server of the database URL `db`, and the URL of
+    /// the same database through the proxy.
+    pub async fn in_front_of_database(db: &str, fault: Fault) -> (FaultProxy, String) {
+        let server: SocketAddr = db
+            .split_once('@')
+            .and_then(|(_, rest)| rest.split_once('/'))
+            .map(|(addr, _)| addr.parse().expect("host:port"))
+            .expect("a postgres URL with an address");
+        let proxy = FaultProxy::start(server, fault).await;
+        let through = db.replace(&server.to_string(), &proxy.addr.to_string());
+        (proxy, through)
+    }
+
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
