@@ -280,20 +280,28 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: B
     .await;
 }
 
-/// A completion whose commit landed but whose reply was lost (the connection to PostgreSQL
-/// cut just after it) is tried again; the retry writes nothing, and the row holding the
-/// answer is recognized as this attempt's own: the client gets the answer, the retry a
-/// replay, and no lease is counted lost.
-#[tokio::test]
-async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease() {
+/// An upstream answering `lost-reply-answer` (each execution held at `gate`, if given), and
+/// the config of a gateway with `pool` connections whose store statements pass a proxy that
+/// loses every reply after the first statement carrying that answer (its wake-up listener
+/// connects directly); the proxy is kept for the test's length.
+async fn lost_reply_setup(
+    gate: Option<Gate>,
+    pool: usize,
+) -> (
+    Upstream,
+    crate::support::fault_proxy::FaultProxy,
+    String,
+    String,
+) {
     use crate::support::fault_proxy::{Fault, FaultProxy};
     let up = Upstream::start_with(Behavior {
         body: Some(bytes::Bytes::from_static(b"lost-reply-answer")),
+        gate,
         ..Behavior::default()
     })
     .await;
     let db = pg::fresh_database().await;
-    let (_proxy, through_proxy) = FaultProxy::in_front_of_database(
+    let (proxy, through_proxy) = FaultProxy::in_front_of_database(
         &db,
         Fault::LoseRepliesAfter {
             marker: b"lost-reply-answer",
@@ -302,8 +310,18 @@ async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease
     .await;
     let yaml = config_yaml(&through_proxy, &up.url(), "").patch(
         "pool_size: 8",
-        &format!("pool_size: 8, listen_url: \"{db}\""),
+        &format!("pool_size: {pool}, listen_url: \"{db}\""),
     );
+    (up, proxy, db, yaml)
+}
+
+/// A completion whose commit landed but whose reply was lost (the connection to PostgreSQL
+/// cut just after it) is tried again; the retry writes nothing, and the row holding the
+/// answer is recognized as this attempt's own: the client gets the answer, the retry a
+/// replay, and no lease is counted lost.
+#[tokio::test]
+async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease() {
+    let (up, _proxy, db, yaml) = lost_reply_setup(None, 8).await;
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
     let first = post(&c, &gw, "a", "k", "x").await;
@@ -334,28 +352,10 @@ async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease
 /// recognized as its own, and no lease is counted lost.
 #[tokio::test]
 async fn a_batched_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease() {
-    use crate::support::fault_proxy::{Fault, FaultProxy};
     let gate = Gate::new();
-    let up = Upstream::start_with(Behavior {
-        body: Some(bytes::Bytes::from_static(b"lost-reply-answer")),
-        gate: Some(gate.clone()),
-        ..Behavior::default()
-    })
-    .await;
-    let db = pg::fresh_database().await;
-    let (_proxy, through_proxy) = FaultProxy::in_front_of_database(
-        &db,
-        Fault::LoseRepliesAfter {
-            marker: b"lost-reply-answer",
-        },
-    )
-    .await;
     // Two connections, and statements that may wait 3s for one (and for a lock).
-    let yaml = config_yaml(&through_proxy, &up.url(), "")
-        .patch(
-            "pool_size: 8",
-            &format!("pool_size: 2, listen_url: \"{db}\""),
-        )
+    let (up, _proxy, db, yaml) = lost_reply_setup(Some(gate.clone()), 2).await;
+    let yaml = yaml
         .patch("acquire_timeout: 500ms", "acquire_timeout: 3s")
         .patch("statement_timeout: 1s", "statement_timeout: 3s");
     let gw = TestGateway::start(&yaml, &db).await;
