@@ -92,12 +92,15 @@ pub(super) fn split(url: &str) -> Result<UrlTls, String> {
     Ok(out)
 }
 
-/// The TLS mode and CA from the `tls` block (`configured`, when there is one) and the URL:
-/// the block wins when the URL asks for nothing; a URL that asks for TLS the block turns
-/// off, or for none where the block requires it, is refused (the message without the
-/// field's path, which the caller puts in front).
+/// The TLS mode and CA from what is configured elsewhere (`configured`, when anything is:
+/// the `tls` block, or for `listen_url` what `url` resolved to; `from` names where its mode
+/// and its CA were said) and the URL:
+/// the configured one wins when the URL asks for nothing; a URL that asks for TLS it turns
+/// off, or for none where it requires it, is refused (the message without the field's path,
+/// which the caller puts in front).
 pub(super) fn resolve(
     configured: Option<(PgTlsMode, Option<String>)>,
+    from: (&str, &str),
     url: &UrlTls,
 ) -> Result<(PgTlsMode, Option<String>), String> {
     let Some((mode, ca)) = configured else {
@@ -111,13 +114,17 @@ pub(super) fn resolve(
         && asked != mode
     {
         return Err(format!(
-            "sslmode={} contradicts store.postgres.tls.mode: {}; say it in one place",
+            "sslmode={} contradicts {}: {}; say it in one place",
             url.written.as_deref().unwrap_or_default(),
+            from.0,
             mode.as_str()
         ));
     }
     if url.root_cert.is_some() && ca.is_some() && url.root_cert != ca {
-        return Err("sslrootcert contradicts store.postgres.tls.ca; say it in one place".into());
+        return Err(format!(
+            "sslrootcert contradicts {}; say it in one place",
+            from.1
+        ));
     }
     Ok((mode, ca.or_else(|| url.root_cert.clone())))
 }
@@ -125,6 +132,8 @@ pub(super) fn resolve(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const TLS: (&str, &str) = ("store.postgres.tls.mode", "store.postgres.tls.ca");
 
     #[test]
     fn sslmode_and_sslrootcert_are_read_and_taken_out() {
@@ -147,18 +156,21 @@ mod tests {
     #[test]
     fn a_url_and_a_tls_block_must_agree() {
         let require = split("postgres://u@db/x?sslmode=require").unwrap();
-        assert_eq!(resolve(None, &require).unwrap(), (PgTlsMode::Require, None));
-        assert!(resolve(Some((PgTlsMode::Disable, None)), &require).is_err());
         assert_eq!(
-            resolve(Some((PgTlsMode::Require, None)), &require).unwrap(),
+            resolve(None, TLS, &require).unwrap(),
+            (PgTlsMode::Require, None)
+        );
+        assert!(resolve(Some((PgTlsMode::Disable, None)), TLS, &require).is_err());
+        assert_eq!(
+            resolve(Some((PgTlsMode::Require, None)), TLS, &require).unwrap(),
             (PgTlsMode::Require, None)
         );
         let plain = split("postgres://u@db/x").unwrap();
         assert_eq!(
-            resolve(Some((PgTlsMode::VerifyFull, None)), &plain).unwrap(),
+            resolve(Some((PgTlsMode::VerifyFull, None)), TLS, &plain).unwrap(),
             (PgTlsMode::VerifyFull, None)
         );
         let disable = split("postgres://u@db/x?sslmode=disable").unwrap();
-        assert!(resolve(Some((PgTlsMode::Require, None)), &disable).is_err());
+        assert!(resolve(Some((PgTlsMode::Require, None)), TLS, &disable).is_err());
     }
 }

@@ -103,6 +103,38 @@ fn a_url_error_names_its_field_once() {
 }
 
 #[test]
+fn a_listen_url_says_what_the_url_says_of_tls_or_nothing() {
+    let with = |url: &str, listen: &str| {
+        MINIMAL.replace(
+            r#"postgres: { url: "postgres://u@localhost/db" }"#,
+            &format!(r#"postgres: {{ url: "{url}", listen_url: "{listen}" }}"#),
+        )
+    };
+    let yaml = with(
+        "postgres://u@db/x?sslmode=require",
+        "postgres://u@pg/x?sslmode=disable",
+    );
+    assert_eq!(
+        err(&yaml),
+        "store.postgres.listen_url: sslmode=disable contradicts store.postgres.url's sslmode: \
+         require; say it in one place"
+    );
+    let yaml = with(
+        "postgres://u@db/x?sslmode=verify-full",
+        "postgres://u@pg/x?sslrootcert=%2Fca.pem",
+    );
+    assert!(
+        err(&yaml).starts_with("store.postgres.listen_url: sslrootcert here alone is not used"),
+        "{}",
+        err(&yaml)
+    );
+    // Repeating what `url` says, or saying nothing, is fine.
+    for listen in ["postgres://u@pg/x?sslmode=require", "postgres://u@pg/x"] {
+        Config::from_yaml(&with("postgres://u@db/x?sslmode=require", listen)).unwrap();
+    }
+}
+
+#[test]
 fn the_database_url_never_reaches_debug_output() {
     let c = Config::from_yaml(&MINIMAL.replace(
         "postgres://u@localhost/db",

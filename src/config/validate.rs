@@ -240,14 +240,34 @@ fn validate_postgres(mut pg: RawPostgres) -> Result<PostgresConfig, ConfigError>
     };
     // `sslmode` and `sslrootcert` in the URLs mean what they say (super::pg_url).
     let url = super::pg_url::split(&pg.url).map_err(|m| invalid("store.postgres.url", m))?;
-    let (tls_mode, ca) = super::pg_url::resolve(configured.clone(), &url)
+    let block = ("store.postgres.tls.mode", "store.postgres.tls.ca");
+    let (tls_mode, ca) = super::pg_url::resolve(configured.clone(), block, &url)
         .map_err(|m| invalid("store.postgres.url", m))?;
     pg.url = url.rest;
     if let Some(listen) = &pg.listen_url {
         let split =
             super::pg_url::split(listen).map_err(|m| invalid("store.postgres.listen_url", m))?;
-        super::pg_url::resolve(Some((tls_mode, ca.clone())), &split)
+        // The listener's connection is protected as the pool's: its URL may repeat what
+        // `url` (and the `tls` block) resolved to, never say something else, and names no CA
+        // of its own (the connector is the pool's).
+        let from = if configured.is_some() {
+            block
+        } else {
+            (
+                "store.postgres.url's sslmode",
+                "store.postgres.url's sslrootcert",
+            )
+        };
+        let listen_is = super::pg_url::resolve(Some((tls_mode, ca.clone())), from, &split)
             .map_err(|m| invalid("store.postgres.listen_url", m))?;
+        if split.root_cert.is_some() && ca.is_none() {
+            return Err(invalid(
+                "store.postgres.listen_url",
+                "sslrootcert here alone is not used: the listener connects with the pool's TLS; \
+                 give the CA in store.postgres.url or store.postgres.tls.ca",
+            ));
+        }
+        debug_assert_eq!(listen_is.0, tls_mode);
         pg.listen_url = Some(split.rest);
     }
     let tls_ca = ca.map(std::path::PathBuf::from);

@@ -250,19 +250,16 @@ impl Claimed {
         let mut last = None;
         let bound = self.request.routing.config.store.record_bound();
         for attempt in 0..FINISH_ATTEMPTS {
-            // Whether this try's write ends before our lease does: until then no other
-            // attempt can take the key over, let alone finish it. A retry starts only then.
-            let within = Instant::now() + bound < self.lease_ends;
-            if attempt > 0 && !within {
+            if attempt > 0 && Instant::now() + bound >= self.lease_ends {
                 break;
             }
             match self.finish(outcome.clone(), ttl).await {
                 Ok(true) => return Ok(true),
-                // "Nothing written" may mean that a write of ours landed and only its reply
-                // was lost (a connection cut after the commit): a try before this one failed,
-                // or this one's batch did and the store wrote the key again alone. Within our
-                // lease a finished row is then ours.
-                Ok(false) if within && self.finished_already().await => {
+                // After a failed try, "nothing written" may mean that the try did write and
+                // only its reply was lost (a connection cut after the commit). A retry is
+                // only started while our lease lasts, when no other attempt can have
+                // finished the key: a finished row is then ours.
+                Ok(false) if last.is_some() && self.finished_already().await => {
                     tracing::info!(route = %self.request.route().name, key = %self.request.id, "the outcome was recorded by an earlier try whose reply was lost");
                     return Ok(true);
                 }

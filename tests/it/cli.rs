@@ -445,7 +445,7 @@ async fn a_urls_sslmode_is_honoured_and_a_contradicting_tls_block_refused() {
     // The path once, then what is wrong.
     assert!(
         text.contains(
-            "store.postgres.url: sslmode=require contradicts store.postgres.tls.mode: disable"
+            "store.postgres.url: sslmode=require contradicts store.postgres.tls.mode: disable;"
         ),
         "{text}"
     );

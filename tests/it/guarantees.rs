@@ -415,11 +415,11 @@ async fn a_batched_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lo
     let metrics = admin_request(&gw, http::Method::GET, "/metrics", None).await;
     let text = String::from_utf8_lossy(&metrics.body);
     // The first two completions went in one statement, queued together before any other
-    // (the reply lost was a batch's); the last two may have gathered as well.
+    // (the reply lost was a batch's); the last two may have gathered as well, and the first
+    // two are tried again, each in a statement of its own.
     let statements = metric(&text, "idemgate_store_batch_keys_count{op=\"finish\"}");
     let keys = metric(&text, "idemgate_store_batch_keys_sum{op=\"finish\"}");
-    assert_eq!(keys, 4.0, "{text}");
-    assert!(statements <= 3.0, "a statement carried two keys:\n{text}");
+    assert!(keys > statements, "a statement carried two keys:\n{text}");
     assert_eq!(
         metric(
             &text,

@@ -85,14 +85,15 @@ pub(super) fn fail_all<T: Item>(batch: Vec<Waiting<T>>, e: &StoreError) {
 }
 
 /// Answers a batch from what its statement found: each request its own answer, in order;
-/// each request `alone` when the statement could not tell (`None`) or failed while it
-/// carried several keys (one key's lock, timeout or error must not fail the others: each
-/// runs its own statement, and fails only for a reason of its own); the error to a request
-/// that was alone in its statement.
+/// each request `alone` when the statement wrote nothing (`None`) or failed while it carried
+/// several keys (one key's lock, timeout or error must not fail the others: each runs its
+/// own statement, and fails only for a reason of its own); the error to a request that was
+/// alone in its statement. `alone`'s flag: the statement failed, so it may have written
+/// (a commit whose reply was lost).
 pub(super) fn answer_all<T: Item>(
     batch: Vec<Waiting<T>>,
     found: Result<Option<Vec<T::Answer>>, StoreError>,
-    alone: impl Fn(Waiting<T>),
+    alone: impl Fn(Waiting<T>, bool),
 ) {
     match found {
         Ok(Some(answers)) => {
@@ -100,8 +101,8 @@ pub(super) fn answer_all<T: Item>(
                 waiting.answer(Ok(answer));
             }
         }
-        Ok(None) => batch.into_iter().for_each(alone),
-        Err(_) if batch.len() > 1 => batch.into_iter().for_each(alone),
+        Ok(None) => batch.into_iter().for_each(|w| alone(w, false)),
+        Err(_) if batch.len() > 1 => batch.into_iter().for_each(|w| alone(w, true)),
         Err(e) => fail_all(batch, &e),
     }
 }

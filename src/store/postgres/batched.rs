@@ -200,7 +200,7 @@ impl Item for NewKey {
             })
             .await;
         // Without an answer, the full statement decides each key, one at a time.
-        answer_all(batch, tokens, |w| w.answer(Ok(None)));
+        answer_all(batch, tokens, |w, _| w.answer(Ok(None)));
     }
 }
 
@@ -208,9 +208,14 @@ impl Item for NewKey {
 pub(super) enum Finished {
     /// The statement ran: whether it wrote the row (false: the lease was lost).
     Written(bool),
-    /// Nothing was written: run the completion alone (a second one for the key in the batch,
-    /// or the batch was a deadlock's victim).
-    Alone(Outcome),
+    /// Run the completion alone: nothing was written (a second one for the key in the
+    /// batch, or the batch wrote nothing: a deadlock's victim, a row held past its lock
+    /// wait), or the batch failed after it was sent and `may_have_written` (a commit whose
+    /// reply was lost).
+    Alone {
+        outcome: Outcome,
+        may_have_written: bool,
+    },
 }
 
 /// The completion of one attempt.
@@ -234,9 +239,14 @@ impl Completion {
         }
     }
 
-    /// Hands the outcome back, to be written alone.
+    /// Hands the outcome back, to be written alone (nothing of it was written).
     pub(super) fn alone(waiting: Waiting<Completion>) {
-        waiting.answer_with(|c| Ok(Finished::Alone(c.outcome)));
+        waiting.answer_with(|c| {
+            Ok(Finished::Alone {
+                outcome: c.outcome,
+                may_have_written: false,
+            })
+        });
     }
 }
 
@@ -305,6 +315,13 @@ impl Item for Completion {
                 Ok(Some(written))
             })
             .await;
-        answer_all(batch, written, Completion::alone);
+        answer_all(batch, written, |w, may_have_written| {
+            w.answer_with(|c| {
+                Ok(Finished::Alone {
+                    outcome: c.outcome,
+                    may_have_written,
+                })
+            })
+        });
     }
 }

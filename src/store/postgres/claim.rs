@@ -44,22 +44,39 @@ impl PgStore {
 
     /// The end of an attempt: a completion goes with the others waiting (with batches); a
     /// release (rare), or a completion handed back by its batch, runs alone.
+    ///
+    /// A completion whose batch failed after it was sent, and which then writes nothing
+    /// alone, is answered an error rather than "nothing written": the batch may have written
+    /// it (its commit's reply lost), and only the caller, which knows whether its lease still
+    /// holds, can tell that from a lost lease (`gateway::record` looks at the row on a retry).
     pub(super) async fn finish_all(
         &self,
         f: FinishParams<'_>,
         outcome: Outcome,
     ) -> Result<bool, StoreError> {
-        let outcome = match (&self.batches, outcome) {
-            (_, Outcome::Release) => Outcome::Release,
-            (None, outcome) => outcome,
+        let (outcome, may_have_written) = match (&self.batches, outcome) {
+            (_, Outcome::Release) => (Outcome::Release, false),
+            (None, outcome) => (outcome, false),
             (Some(batches), outcome) => match batches.finish(f, outcome).await? {
                 Finished::Written(written) => return Ok(written),
-                Finished::Alone(outcome) => outcome,
+                Finished::Alone {
+                    outcome,
+                    may_have_written,
+                } => (outcome, may_have_written),
             },
         };
-        self.db
+        let written = self
+            .db
             .unobserved(async |c| c.finish_one(f, &outcome).await)
-            .await
+            .await?;
+        if !written && may_have_written {
+            return Err(StoreError::Db(
+                "the batch carrying this completion failed after it was sent, and the key \
+                 alone found nothing to write: the batch may have written it"
+                    .into(),
+            ));
+        }
+        Ok(written)
     }
 
     /// One claim: with `try_new`, first the plain insert of a new key ([`CLAIM_NEW_SQL`]);

@@ -152,12 +152,13 @@ pub async fn run(
         driver.abort();
         drop(client);
         if replace {
-            // A listener that keeps not hearing (`listen_url` through a pooler in transaction
-            // mode, say) is replaced at a growing interval, not in a loop.
             announce.listener_replaced();
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(BACKOFF_MAX);
         }
+        // A listener that keeps not hearing (`listen_url` through a pooler in transaction
+        // mode, say), or whose sessions keep ending before a probe is heard, is replaced at a
+        // growing interval, not in a loop; one that was heard starts again from the least.
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
     }
 }
 
