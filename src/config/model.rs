@@ -220,14 +220,6 @@ impl StoreConfig {
             StoreConfig::Sqlite(sq) => sq.busy_timeout + Duration::from_millis(500),
         }
     }
-
-    /// What [`StoreConfig::record_bound`] adds up, in the config's own terms (for errors).
-    pub fn record_bound_terms(&self) -> &'static str {
-        match self {
-            StoreConfig::Postgres(_) => "the store's acquire_timeout + statement_timeout",
-            StoreConfig::Sqlite(_) => "the store's busy_timeout + 500ms",
-        }
-    }
 }
 
 /// The embedded store: one SQLite file, one gateway instance.

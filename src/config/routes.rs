@@ -297,7 +297,7 @@ fn validate_idempotency(
                  ({} = {})",
                 upstream.name,
                 fmt_duration(upstream.timeout),
-                store.record_bound_terms(),
+                record_bound_terms(store),
                 fmt_duration(record_bound)
             ),
         ));
@@ -440,5 +440,13 @@ fn status_range(path: &str, s: RawStatus) -> Result<(u16, u16), ConfigError> {
             }
             Ok((lo, hi))
         }
+    }
+}
+
+/// What [`StoreConfig::record_bound`] adds up, in the config's own terms (for errors).
+fn record_bound_terms(store: &StoreConfig) -> &'static str {
+    match store {
+        StoreConfig::Postgres(_) => "the store's acquire_timeout + statement_timeout",
+        StoreConfig::Sqlite(_) => "the store's busy_timeout + 500ms",
     }
 }

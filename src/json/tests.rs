@@ -143,38 +143,6 @@ fn nesting_of_128_is_json_and_129_is_not() {
     assert_eq!(inner.to_string(), "0.30000000000000001");
 }
 
-/// A body too deep to read whole is refused by the check alone too: a repeat may lie past the
-/// deep part, where the check no longer reads. Not JSON in other ways, it is not refused.
-#[test]
-fn a_body_too_deep_to_check_is_ambiguous() {
-    let deep = |depth: usize| format!("{}1{}", "[".repeat(depth), "]".repeat(depth));
-    let body = |depth: usize| format!(r#"{{"pad":{},"amount":1,"amount":1000}}"#, deep(depth));
-    // Within the bound, the repeat after the deep part is found.
-    assert_eq!(
-        has_duplicate_member(body(MAX_DEPTH - 1).as_bytes()),
-        Some(true)
-    );
-    assert!(is_ambiguous(body(MAX_DEPTH - 1).as_bytes()));
-    // Past it, the check stops before the repeat: refused for the depth.
-    assert_eq!(has_duplicate_member(body(MAX_DEPTH).as_bytes()), None);
-    assert!(is_ambiguous(body(MAX_DEPTH).as_bytes()));
-    let clean = format!(r#"{{"pad":{},"amount":1}}"#, deep(MAX_DEPTH));
-    assert!(is_ambiguous(clean.as_bytes()), "too deep, repeat or not");
-    let fine = format!(r#"{{"pad":{},"amount":1}}"#, deep(MAX_DEPTH - 1));
-    assert!(!is_ambiguous(fine.as_bytes()));
-    // Not JSON, but not deep: the upstream answers it.
-    for text in ["not json", "{\"a\":", "[1,]", ""] {
-        assert!(!is_ambiguous(text.as_bytes()), "{text}");
-    }
-    // Not JSON before it goes deep: not JSON (an error first in the text wins).
-    assert!(!is_ambiguous(
-        format!("[x,{}]", deep(MAX_DEPTH + 1)).as_bytes()
-    ));
-    // A repeat before the deep part: repeated.
-    let first = format!(r#"{{"a":1,"a":2,"pad":{}}}"#, deep(MAX_DEPTH + 5));
-    assert_eq!(has_duplicate_member(first.as_bytes()), Some(true));
-}
-
 /// `{"k0":0,"k1":1,…}` with `n` members, then `last` as its last member.
 fn wide(n: usize, last: &str) -> String {
     let mut s = String::from("{");
