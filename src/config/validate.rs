@@ -258,7 +258,7 @@ fn validate_postgres(mut pg: RawPostgres) -> Result<PostgresConfig, ConfigError>
                 "store.postgres.url's sslrootcert",
             )
         };
-        let listen_is = super::pg_url::resolve(Some((tls_mode, ca.clone())), from, &split)
+        super::pg_url::resolve(Some((tls_mode, ca.clone())), from, &split)
             .map_err(|m| invalid("store.postgres.listen_url", m))?;
         if split.root_cert.is_some() && ca.is_none() {
             return Err(invalid(
@@ -267,7 +267,6 @@ fn validate_postgres(mut pg: RawPostgres) -> Result<PostgresConfig, ConfigError>
                  give the CA in store.postgres.url or store.postgres.tls.ca",
             ));
         }
-        debug_assert_eq!(listen_is.0, tls_mode);
         pg.listen_url = Some(split.rest);
     }
     let tls_ca = ca.map(std::path::PathBuf::from);

@@ -188,11 +188,10 @@ impl Gateway {
         log: &mut RequestLog,
     ) -> Result<Response<Body>, GatewayError> {
         use hyper::body::Body as _;
-        // What of it is in memory: all of a whole answer; of one passed on past
-        // `max_stored_response`, the head read before it was known too large (`Prefixed`,
-        // whose size hint starts there).
-        let hint = resp.body().size_hint();
-        let size = hint.exact().unwrap_or(hint.lower());
+        // What of it is in memory: all of a whole answer (an exact hint); of one passed on
+        // past `max_stored_response`, the head read before it was known too large
+        // (`Prefixed`, whose hint starts there).
+        let size = resp.body().size_hint().lower();
         let size = usize::try_from(size).unwrap_or(usize::MAX);
         if replay {
             if !bytes.try_resize(size) {

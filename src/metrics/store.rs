@@ -58,4 +58,16 @@ impl StoreMetrics {
             self.errors.get_or_create(&OpLabel { op }).inc();
         }
     }
+
+    /// Runs one operation of the store and [`record`](Self::record)s it under `op`.
+    pub async fn timed<T, E>(
+        &self,
+        op: &'static str,
+        operation: impl Future<Output = Result<T, E>>,
+    ) -> Result<T, E> {
+        let started = std::time::Instant::now();
+        let result = operation.await;
+        self.record(op, started.elapsed(), &result);
+        result
+    }
 }

@@ -162,10 +162,7 @@ impl SqliteStore {
         T: Send + 'static,
         F: FnOnce(&rusqlite::Transaction<'_>) -> rusqlite::Result<T> + Send + 'static,
     {
-        let started = Instant::now();
-        let result = self.call_inner(f).await;
-        self.metrics.record(op, started.elapsed(), &result);
-        result
+        self.metrics.timed(op, self.call_inner(f)).await
     }
 
     async fn call_inner<T, F>(&self, f: F) -> Result<T, StoreError>

@@ -280,6 +280,14 @@ async fn a_claim_blocked_past_its_statement_timeout_is_503_within_the_bound(b: B
     .await;
 }
 
+/// `idemgate_leases_total{event="lost"}` of the `payments` route in a `/metrics` text.
+fn leases_lost(text: &str) -> f64 {
+    metric(
+        text,
+        "idemgate_leases_total{route=\"payments\",event=\"lost\"} ",
+    )
+}
+
 /// An upstream answering `lost-reply-answer` (each execution held at `gate`, if given), and
 /// the config of a gateway with `pool` connections whose store statements pass a proxy that
 /// loses every reply after the first statement carrying that answer (its wake-up listener
@@ -336,14 +344,7 @@ async fn a_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lost_lease
     let metrics = admin_request(&gw, http::Method::GET, "/metrics", None).await;
     let text = String::from_utf8_lossy(&metrics.body);
     // The series exists from the start (at 0, with the route) and stays there.
-    assert_eq!(
-        metric(
-            &text,
-            "idemgate_leases_total{route=\"payments\",event=\"lost\"} "
-        ),
-        0.0,
-        "no lease counted lost:\n{text}"
-    );
+    assert_eq!(leases_lost(&text), 0.0, "no lease counted lost:\n{text}");
 }
 
 /// The same lost reply on a batched completion: two answers written in one statement whose
@@ -420,12 +421,5 @@ async fn a_batched_completion_whose_commit_reply_was_lost_is_not_counted_as_a_lo
     let statements = metric(&text, "idemgate_store_batch_keys_count{op=\"finish\"}");
     let keys = metric(&text, "idemgate_store_batch_keys_sum{op=\"finish\"}");
     assert!(keys > statements, "a statement carried two keys:\n{text}");
-    assert_eq!(
-        metric(
-            &text,
-            "idemgate_leases_total{route=\"payments\",event=\"lost\"} "
-        ),
-        0.0,
-        "no lease counted lost:\n{text}"
-    );
+    assert_eq!(leases_lost(&text), 0.0, "no lease counted lost:\n{text}");
 }

@@ -25,8 +25,9 @@
 //!   the 100 ms a batched statement waits for one, a deadlock, an error), each of its keys
 //!   runs again alone, with its own statement and bounds, before any of them is failed
 //!   ([`answer_all`]); only a key that fails alone is answered the error, and a locked row
-//!   delays the others of its batch by those 100 ms at most. What a request does after its batch (a key that
-//!   exists goes to the full claim) is a call of its own, with its own bounds.
+//!   delays the others of its batch by those 100 ms at most. What a request does after its
+//!   batch (a key that exists goes to the full claim) is a call of its own, with its own
+//!   bounds.
 //! - Every request is answered exactly once: by its batch; by the dropped answer channel when
 //!   its batch panicked (a bug); or by the closed queue when the store is gone. The caller
 //!   reports the last two as internal errors. Nobody hangs.

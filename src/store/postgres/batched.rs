@@ -239,12 +239,12 @@ impl Completion {
         }
     }
 
-    /// Hands the outcome back, to be written alone (nothing of it was written).
-    pub(super) fn alone(waiting: Waiting<Completion>) {
+    /// Hands the outcome back, to be written alone (see [`Finished::Alone`]).
+    pub(super) fn alone(waiting: Waiting<Completion>, may_have_written: bool) {
         waiting.answer_with(|c| {
             Ok(Finished::Alone {
                 outcome: c.outcome,
-                may_have_written: false,
+                may_have_written,
             })
         });
     }
@@ -268,7 +268,7 @@ impl Item for Completion {
     }
 
     async fn run(db: Arc<Db>, obj: Object, batch: Vec<Waiting<Completion>>) {
-        let batch = one_per_key(batch, Completion::alone);
+        let batch = one_per_key(batch, |w| Completion::alone(w, false));
         db.metrics.batch(Completion::OP, batch.len());
         let written = db
             .bounded(obj, async |c| {
@@ -315,13 +315,6 @@ impl Item for Completion {
                 Ok(Some(written))
             })
             .await;
-        answer_all(batch, written, |w, may_have_written| {
-            w.answer_with(|c| {
-                Ok(Finished::Alone {
-                    outcome: c.outcome,
-                    may_have_written,
-                })
-            })
-        });
+        answer_all(batch, written, Completion::alone);
     }
 }

@@ -343,12 +343,11 @@ impl PgStore {
 
 impl Store for PgStore {
     fn claim<'a>(&'a self, req: ClaimRequest<'a>) -> BoxFuture<'a, Result<Claim, StoreError>> {
-        Box::pin(async move {
-            let started = std::time::Instant::now();
-            let claim = self.claim_all(&req).await;
-            self.db.metrics.record("claim", started.elapsed(), &claim);
-            claim
-        })
+        Box::pin(
+            self.db
+                .metrics
+                .timed("claim", async move { self.claim_all(&req).await }),
+        )
     }
 
     fn finish<'a>(
@@ -359,8 +358,7 @@ impl Store for PgStore {
         outcome: Outcome,
         ttl: Duration,
     ) -> BoxFuture<'a, Result<bool, StoreError>> {
-        Box::pin(async move {
-            let started = std::time::Instant::now();
+        Box::pin(self.db.metrics.timed("finish", async move {
             let id = String::from(KeyId::of(scope, key));
             let f = FinishParams {
                 scope,
@@ -369,12 +367,8 @@ impl Store for PgStore {
                 ttl_ms: ttl.as_millis() as i64,
                 id: &id,
             };
-            let written = self.finish_all(f, outcome).await;
-            self.db
-                .metrics
-                .record("finish", started.elapsed(), &written);
-            written
-        })
+            self.finish_all(f, outcome).await
+        }))
     }
 
     fn watch<'a>(
@@ -444,12 +438,7 @@ impl Store for PgStore {
     }
 
     fn gc(&self, batch: usize) -> BoxFuture<'_, Result<GcRun, StoreError>> {
-        Box::pin(async move {
-            let started = std::time::Instant::now();
-            let run = self.gc_batches(batch).await;
-            self.db.metrics.record("gc", started.elapsed(), &run);
-            run
-        })
+        Box::pin(self.db.metrics.timed("gc", self.gc_batches(batch)))
     }
 
     fn acquire_slot<'a>(
@@ -499,14 +488,7 @@ impl Store for PgStore {
     }
 
     fn migrate(&self) -> BoxFuture<'_, Result<usize, StoreError>> {
-        Box::pin(async move {
-            let started = std::time::Instant::now();
-            let applied = PgStore::migrate(self).await;
-            self.db
-                .metrics
-                .record("migrate", started.elapsed(), &applied);
-            applied
-        })
+        Box::pin(self.db.metrics.timed("migrate", PgStore::migrate(self)))
     }
 
     fn migrate_online(&self) -> BoxFuture<'_, Result<OnlineRun, StoreError>> {

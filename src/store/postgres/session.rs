@@ -256,10 +256,7 @@ impl Db {
         op: &'static str,
         f: impl AsyncFnOnce(&Conn<'_>) -> Result<T, tokio_postgres::Error>,
     ) -> Result<T, StoreError> {
-        let started = std::time::Instant::now();
-        let result = self.unobserved(f).await;
-        self.metrics.record(op, started.elapsed(), &result);
-        result
+        self.metrics.timed(op, self.unobserved(f)).await
     }
 
     /// [`with_conn`](Self::with_conn) without recording its latency: for a call whose caller
