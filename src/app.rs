@@ -340,16 +340,21 @@ async fn prepare_store(store: &dyn Store) -> Result<(), StoreError> {
     store.durability().await?;
     if let Err(e) = store.migrate().await {
         // Not an outage to wait out quietly: the operator has to act (a long transaction
-        // holds a lock, a role lacks a privilege, a migration fails). Said at error level
-        // once per reason, not at every retry.
-        static LAST: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
-        let why = e.to_string();
-        let mut last = LAST.lock().expect("last migration error");
-        if *last != why {
-            tracing::error!(error = %e, "the migrations failed; trying again");
-            *last = why;
-        } else {
-            tracing::debug!(error = %e, "the migrations failed again");
+        // holds a lock, a migration fails), so every retry says why at error level. A role
+        // that may not migrate is said once: nothing changes until an owner migrates, and
+        // PostgreSQL's own log has each refused statement.
+        static SAID: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+        match &e {
+            StoreError::Privilege(why) => {
+                let mut said = SAID.lock().expect("the privilege error said");
+                if *said == *why {
+                    tracing::debug!(error = %e, "the migrations failed again");
+                } else {
+                    tracing::error!(error = %e, "the migrations failed; trying again");
+                    why.clone_into(&mut said);
+                }
+            }
+            _ => tracing::error!(error = %e, "the migrations failed; trying again"),
         }
         return Err(e);
     }

@@ -87,6 +87,11 @@ pub enum StoreError {
     /// panicked): 500 `internal`, never blamed on the store.
     #[error("a store call panicked: {0}")]
     Internal(String),
+    /// The store's role may not do what the gateway needs of it (apply pending migrations):
+    /// an operator must act, and trying again changes nothing until they do. The text names
+    /// the role and what to run.
+    #[error("{0}")]
+    Privilege(String),
 }
 
 impl StoreError {
@@ -99,7 +104,8 @@ impl StoreError {
             StoreError::Db(_)
             | StoreError::Corrupt(_)
             | StoreError::NotDurable(_)
-            | StoreError::Internal(_) => false,
+            | StoreError::Internal(_)
+            | StoreError::Privilege(_) => false,
         }
     }
 }

@@ -193,8 +193,9 @@ async fn the_collector_fills_rows_an_earlier_release_writes_during_a_rolling_upg
 }
 
 /// A migration that cannot take its lock (a long transaction holds the table) gives up
-/// within its lock timeout each time, says why at error level, and the gateway becomes
-/// ready once the transaction ends; claims on the table meanwhile are not held behind it.
+/// within its lock timeout each time, says why at error level at every retry, and the
+/// gateway becomes ready once the transaction ends; claims on the table meanwhile are not
+/// held behind it.
 #[tokio::test]
 async fn a_migration_blocked_by_a_long_transaction_says_why_and_holds_no_claim() {
     let up = Upstream::start().await;
@@ -241,6 +242,20 @@ async fn a_migration_blocked_by_a_long_transaction_says_why_and_holds_no_claim()
             .expect("a claim is not held behind the migration");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Every retry says it again at error level (not once per reason, as for a role that
+    // may not migrate: this one the operator may not have seen the first time).
+    wait_until(
+        "the failure is said again at the next retry",
+        Duration::from_secs(30),
+        || async {
+            gw.log_text()
+                .lines()
+                .filter(|l| l.contains("the migrations failed") && l.contains(" ERROR idemgate"))
+                .count()
+                >= 2
+        },
+    )
+    .await;
     holder.batch_execute("COMMIT").await.unwrap();
     wait_until("ready", Duration::from_secs(30), || async {
         send(&c, http::Method::GET, &readyz, &[], "").await.status == 200

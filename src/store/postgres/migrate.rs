@@ -184,7 +184,7 @@ pub(super) async fn apply(client: &mut Client, last: i32) -> Result<usize, Store
                     .await
                     .map(|r| r.get(0))
                     .unwrap_or_else(|_| "this role".into());
-                return Err(StoreError::Db(format!(
+                return Err(StoreError::Privilege(format!(
                     "migrations are pending and the role {role} may not apply them ({}): run \
                      `idemgate migrate` once with a role that owns the schema (CREATE on it, \
                      and owner of the idemgate tables), then serve with this one",
