@@ -232,13 +232,11 @@ impl Gateway {
         &self.readiness
     }
 
-    /// Admits a request to `upstream` with `bytes` of body to buffer (`None`: a streamed
-    /// forward, which buffers nothing), or refuses it (docs/contract.md §8.2): nothing has
-    /// been read, claimed or forwarded yet.
-    /// Admits a request: with an upstream slot when it is forwarded as it comes
-    /// (`buffered: false`), without one when it is keyed (it takes one once it has claimed
-    /// its key, `Gateway::forward_slot`); with a reservation of the byte budget that grows as
-    /// its body arrives when it is buffered. Refused while either bound is reached.
+    /// Admits a request to `upstream`, or refuses it while either bound is reached
+    /// (docs/contract.md §8.2: nothing has been read, claimed or forwarded yet). A request
+    /// forwarded as it comes (`buffered: false`) takes its upstream slot now; a keyed one
+    /// takes it once it has claimed its key ([`Gateway::forward_slot`]: a duplicate or a
+    /// replay takes none) and reserves the byte budget as its body arrives.
     fn admit(&self, upstream: &UpstreamClient, buffered: bool) -> Result<Admission, GatewayError> {
         let name = &upstream.config.name;
         let slot = if buffered {
