@@ -158,6 +158,7 @@ impl Upstreams {
                     .build(Pinned {
                         inner: connector,
                         to: origin(&cfg.url),
+                        connect_timeout: cfg.connect_timeout,
                     });
                 (
                     cfg.name.clone(),
@@ -192,23 +193,44 @@ fn origin(url: &Uri) -> Uri {
 /// it becomes HTTP/1.1's `Host` and h2's `:authority`), but the connection, its TLS server
 /// name and certificate check stay those of the upstream's `url`. Requests naming different
 /// hosts get their own pooled connections (the pool is keyed by URI authority), all to it.
+///
+/// A connection is up within `connect_timeout`, its TLS handshake included (the TCP
+/// connector bounds only the socket's connect): a server that accepts and never completes
+/// the handshake has been sent nothing, so it is a connect failure (502, the key released),
+/// never the exchange's `timeout` and an unknown outcome.
 #[derive(Clone)]
 struct Pinned {
     inner: HttpsConnector<HttpConnector>,
     to: Uri,
+    connect_timeout: std::time::Duration,
 }
 
+type Connected = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Response;
+
 impl tower_service::Service<Uri> for Pinned {
-    type Response = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Response;
-    type Error = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Error;
-    type Future = <HttpsConnector<HttpConnector> as tower_service::Service<Uri>>::Future;
+    type Response = Connected;
+    type Error = BoxError;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Connected, BoxError>> + Send + 'static>,
+    >;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, _requested: Uri) -> Self::Future {
-        self.inner.call(self.to.clone())
+        let connecting = self.inner.call(self.to.clone());
+        let limit = self.connect_timeout;
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connecting).await {
+                Ok(connected) => connected,
+                Err(_) => Err(format!(
+                    "the connection (its TLS handshake included) was not up within {}",
+                    crate::config::fmt_duration(limit)
+                )
+                .into()),
+            }
+        })
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use crate::support::certs::TestPki;
 use crate::support::fault_proxy::{Fault, FaultProxy};
 use crate::support::*;
 
@@ -216,6 +217,60 @@ async fn a_connect_that_hangs_is_502_after_connect_timeout_and_the_key_is_releas
         "forwarded once, after the upstream came back"
     );
     drop(fillers);
+}
+
+/// An https upstream that accepts the connection and never answers the TLS handshake: the
+/// request was never sent, so the forward gives up at `connect_timeout` (200ms), not at the
+/// exchange's `timeout` (5s, 504 and an unknown outcome): 502, and the key is released even
+/// on a `hold` route. The connections were accepted, so it was the handshake that hung.
+#[tokio::test]
+async fn a_tls_handshake_that_hangs_is_502_after_connect_timeout_and_the_key_is_released() {
+    let pki = TestPki::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = std::sync::Arc::clone(&accepted);
+    // Accepts, reads nothing, writes nothing; keeps every socket open.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(socket);
+        }
+    });
+    let db = pg::fresh_database().await;
+    let yaml = config_yaml(
+        &db,
+        &format!("https://localhost:{port}"),
+        "on_unknown_outcome: hold",
+    )
+    .patch(
+        "timeout: 5s }",
+        &format!("timeout: 5s, tls: {{ ca: \"{}\" }} }}", pki.ca.display()),
+    );
+    let gw = TestGateway::start(&yaml, &db).await;
+    let c = client();
+    for attempt in 0..2 {
+        let started = std::time::Instant::now();
+        let r = post(&c, &gw, "a", "k", "x").await;
+        let elapsed = started.elapsed();
+        assert_eq!(
+            (r.status, r.problem().as_str()),
+            (502, "upstream-unavailable"),
+            "attempt {attempt}: a connect failure, not a timeout or a held outcome"
+        );
+        // A hang check, not a speed claim: the exchange's own timeout (5s) never fired.
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "answered after {elapsed:?}"
+        );
+        assert_eq!(row_state(&gw, "a", "k").await, None, "released");
+    }
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "each attempt's TCP connection was accepted: the handshake is what hung"
+    );
+    holder.abort();
 }
 
 #[test]
