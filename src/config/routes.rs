@@ -302,17 +302,23 @@ fn validate_idempotency(
             ),
         ));
     }
+    // With `serialize`, the claim is held while a slot is awaited, and the slot's own store
+    // call comes before the forward: a slot is asked for only while the lease still has room
+    // for that call, the forward and the recording (`gateway/record.rs`). A shorter lease
+    // would cut the wait short, or leave none, every request then 409 `in-flight`.
     if let Some(ser) = &serialize
-        && lease <= upstream.timeout + record_bound + ser.wait_timeout
+        && lease <= upstream.timeout + record_bound * 2 + ser.wait_timeout
     {
         return Err(invalid(
             format!("{base}.lease"),
             format!(
                 "must be longer than upstream '{}' timeout ({}) plus serialize.wait_timeout ({}) \
-                 plus the time to record the answer ({}): the claim is held while a slot is awaited",
+                 plus twice the time of one store call ({} = {}: the slot's, then the \
+                 recording's): the claim is held while a slot is awaited",
                 upstream.name,
                 fmt_duration(upstream.timeout),
                 fmt_duration(ser.wait_timeout),
+                record_bound_terms(store),
                 fmt_duration(record_bound)
             ),
         ));

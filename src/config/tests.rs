@@ -90,6 +90,37 @@ fn a_lease_short_of_the_record_bound_names_the_store_settings_that_make_it() {
     );
 }
 
+/// With `serialize`, a slot is asked for only while the lease has room for the slot's store
+/// call, the forward and the recording: a lease that passed a check counting one store call
+/// left no wait at all (every request 409) once the store's timeouts were long.
+#[test]
+fn a_serialized_lease_leaves_room_for_the_slot_call_and_the_recording() {
+    let with = |lease: &str| {
+        MINIMAL.replace(
+            "idempotency: {}",
+            &format!("idempotency: {{ lease: {lease}, serialize: {{ wait_timeout: 10s }} }}"),
+        )
+    };
+    // 30s + 10s + 2 x 2500ms.
+    assert_eq!(
+        err(&with("45s")),
+        "routes[0].idempotency.lease: must be longer than upstream 'app' timeout (30s) plus \
+         serialize.wait_timeout (10s) plus twice the time of one store call (the store's \
+         acquire_timeout + statement_timeout = 2500ms: the slot's, then the recording's): the \
+         claim is held while a slot is awaited"
+    );
+    let c = Config::from_yaml_with_env(&with("46s"), &|_| None).expect("room for both calls");
+    let idem = c.routes[0].idempotency.as_ref().unwrap();
+    assert_eq!(idem.lease, Duration::from_secs(46));
+    // The default lease (timeout + 15s + wait_timeout) has that room with the default store
+    // timeouts.
+    let default = MINIMAL.replace(
+        "idempotency: {}",
+        "idempotency: { serialize: { wait_timeout: 10s } }",
+    );
+    assert!(Config::from_yaml_with_env(&default, &|_| None).is_ok());
+}
+
 #[test]
 fn a_url_error_names_its_field_once() {
     let yaml = MINIMAL.replace(

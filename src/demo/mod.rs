@@ -40,8 +40,8 @@ pub struct DemoOptions {
 }
 
 /// The crash window of the demo's gateway: upstream timeout (2s) + serialize wait (3s) +
-/// the store's record bound (1.5s) < lease.
-const LEASE: &str = "7s";
+/// twice the store's record bound (the slot's call and the recording, 1.5s each) < lease.
+const LEASE: &str = "9s";
 const SERIALIZE_WAIT: &str = "3s";
 
 fn store_block(opts: &DemoOptions, dir: &Path) -> String {
@@ -195,7 +195,7 @@ pub async fn run(opts: DemoOptions) -> Result<bool, String> {
     );
     let gateway = GatewayProcess::start_logging(&exe, &dir.0, &yaml, "info").await?;
     let url = gateway.url("");
-    let lease = crate::config::parse_duration(LEASE).unwrap_or(Duration::from_secs(7));
+    let lease = crate::config::parse_duration(LEASE).unwrap_or(Duration::from_secs(9));
     let cut_off = CutOff {
         exe: exe.clone(),
         dir: dir.0.clone(),

@@ -117,7 +117,7 @@ fn a_bad_config_exits_64_naming_the_yaml_path() {
     let bad = dir.join("bad.yaml");
     let text = std::fs::read_to_string(example())
         .unwrap()
-        .patch("lease: 45s", "lease: 30s");
+        .patch("lease: 50s", "lease: 30s");
     std::fs::write(&bad, text).unwrap();
     for verb in ["check", "serve"] {
         let out = idemgate()
@@ -159,7 +159,7 @@ fn a_ttl_not_longer_than_the_lease_exits_64() {
     std::fs::create_dir_all(&dir).unwrap();
     let bad = dir.join("bad.yaml");
     let text = std::fs::read_to_string(example()).unwrap();
-    let text = text.patch("ttl: 24h", "ttl: 45s");
+    let text = text.patch("ttl: 24h", "ttl: 50s");
     std::fs::write(&bad, text).unwrap();
     let out = idemgate()
         .args(["check", "--config"])
@@ -171,7 +171,7 @@ fn a_ttl_not_longer_than_the_lease_exits_64() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(
-        stderr.contains("routes[0].idempotency.ttl: must be longer than the lease (45s)"),
+        stderr.contains("routes[0].idempotency.ttl: must be longer than the lease (50s)"),
         "{stderr}"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -334,7 +334,7 @@ async fn thirty_events_of_one_account_split_across_three_processes_lose_no_updat
         "127.0.0.1:0",
         &store,
         &format!("http://{addr}"),
-        "20s",
+        "21s",
         "15s",
     );
     let fleet = three_processes(&yaml).await;

@@ -135,7 +135,13 @@ async fn through_idemgate(pooled: bool) -> Vec<CheckResult> {
         None => lab::postgres_store(&db, None),
         Some(b) => lab::postgres_store(&b.url_for(&db), Some(&db)),
     };
-    let yaml = lab::gateway_config("127.0.0.1:0", &store, &format!("http://{addr}"), "9s", "5s");
+    let yaml = lab::gateway_config(
+        "127.0.0.1:0",
+        &store,
+        &format!("http://{addr}"),
+        "11s",
+        "5s",
+    );
     let dir = std::env::temp_dir().join(format!("idemgate-lab-{}-{pooled}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let process =
