@@ -11,7 +11,9 @@
 //!   announcement about a key (a completion, a release, an operator's delete) evicts that
 //!   key, and when announcements stop (the listener is down) the whole cache is dropped and
 //!   bypassed until they flow again. So an operator's `keys delete` on any instance is seen
-//!   by every instance's cache.
+//!   by every instance's cache: at once, or, by an instance whose listener connection froze
+//!   without an error, when its next probe is not heard (within the listener's `REPROBE`
+//!   plus its probe timeout, 7 s).
 //! - It is bounded by bytes (`replay_cache.max_bytes`); the oldest entries go first.
 //! - A hit requires the same fingerprint; anything else goes to the store, which decides
 //!   (a different fingerprint is a 422 there).
