@@ -570,8 +570,10 @@ pub mod defaults {
     pub const KEY_HEADER: &str = "idempotency-key";
     pub const METHODS: [&str; 2] = ["POST", "PATCH"];
     pub const TTL: Duration = Duration::from_secs(24 * 3600);
-    /// Added to the upstream timeout when `lease` is not given.
+    /// Added to the upstream timeout when `lease` is not given, or the store calls the lease
+    /// must leave room for (one, two with `serialize`) plus [`LEASE_SLACK`] where that is more.
     pub const LEASE_MARGIN: Duration = Duration::from_secs(15);
+    pub const LEASE_SLACK: Duration = Duration::from_secs(5);
     pub const WAIT_TIMEOUT: Duration = Duration::from_secs(10);
     pub const RETRY_STATUSES: [(u16, u16); 4] = [(408, 408), (425, 425), (429, 429), (500, 599)];
     pub const MAX_REQUEST_BODY: usize = 1024 * 1024;

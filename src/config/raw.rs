@@ -341,8 +341,9 @@ pub(super) struct RawIdempotency {
     /// longer than `lease`.
     pub(super) ttl: Option<String>,
     /// `lease`: how long an attempt owns its key. Default: the upstream's `timeout` + `15s`
-    /// (+ `serialize.wait_timeout`); must exceed the upstream's `timeout` plus the store's
-    /// record bound (plus `serialize.wait_timeout`).
+    /// (+ `serialize.wait_timeout`), more where the store's timeouts need it; must exceed the
+    /// upstream's `timeout` plus the store's record bound (with `serialize`: plus
+    /// `serialize.wait_timeout` and a second record bound, the slot's call).
     pub(super) lease: Option<String>,
     /// `in_flight`: `wait` for the first attempt's answer, or `reject` with 409 at once.
     /// Default `wait`.

@@ -272,11 +272,14 @@ fn validate_idempotency(
         ));
     }
     let ttl = duration_or(&format!("{base}.ttl"), raw.ttl.as_ref(), defaults::TTL)?;
+    // The default leaves room for the store calls the checks below count, however long the
+    // store's timeouts: a default the checks refuse would blame a field nobody set.
+    let store_calls = if serialize.is_some() { 2 } else { 1 };
     let lease = duration_or(
         &format!("{base}.lease"),
         raw.lease.as_ref(),
         upstream.timeout
-            + defaults::LEASE_MARGIN
+            + defaults::LEASE_MARGIN.max(record_bound * store_calls + defaults::LEASE_SLACK)
             + serialize.map_or(Duration::ZERO, |s| s.wait_timeout),
     )?;
     if lease <= upstream.timeout {

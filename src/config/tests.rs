@@ -119,6 +119,15 @@ fn a_serialized_lease_leaves_room_for_the_slot_call_and_the_recording() {
         "idempotency: { serialize: { wait_timeout: 10s } }",
     );
     assert!(Config::from_yaml_with_env(&default, &|_| None).is_ok());
+    // With long store timeouts the default grows to fit (a default the check refused would
+    // blame a field nobody set): 30s + 10s + 2 x (3s + 5s) + 5s.
+    let slow_store = default.replace(
+        r#"postgres: { url: "postgres://u@localhost/db" }"#,
+        r#"postgres: { url: "postgres://u@localhost/db", acquire_timeout: 3s, statement_timeout: 5s }"#,
+    );
+    let c = Config::from_yaml_with_env(&slow_store, &|_| None).expect("the default lease fits");
+    let idem = c.routes[0].idempotency.as_ref().unwrap();
+    assert_eq!(idem.lease, Duration::from_secs(61));
 }
 
 #[test]

@@ -41,7 +41,7 @@ pub struct DemoOptions {
 
 /// The crash window of the demo's gateway: upstream timeout (2s) + serialize wait (3s) +
 /// twice the store's record bound (the slot's call and the recording, 1.5s each) < lease.
-const LEASE: &str = "9s";
+const LEASE: Duration = Duration::from_secs(9);
 const SERIALIZE_WAIT: &str = "3s";
 
 fn store_block(opts: &DemoOptions, dir: &Path) -> String {
@@ -74,7 +74,7 @@ impl StoreSwitch for CutOff {
                 "127.0.0.1:0",
                 &store,
                 &self.ledger_url,
-                LEASE,
+                &crate::config::fmt_duration(LEASE),
                 SERIALIZE_WAIT,
             );
             // `serve` starts without its store and keeps trying to reach it.
@@ -190,19 +190,18 @@ pub async fn run(opts: DemoOptions) -> Result<bool, String> {
         "127.0.0.1:0",
         &store_block(&opts, &dir.0),
         &ledger_url,
-        LEASE,
+        &crate::config::fmt_duration(LEASE),
         SERIALIZE_WAIT,
     );
     let gateway = GatewayProcess::start_logging(&exe, &dir.0, &yaml, "info").await?;
     let url = gateway.url("");
-    let lease = crate::config::parse_duration(LEASE).unwrap_or(Duration::from_secs(9));
     let cut_off = CutOff {
         exe: exe.clone(),
         dir: dir.0.clone(),
         ledger_url,
         gateway: Mutex::new(None),
     };
-    let harness = GatewayUnderTest::new(gateway, lease, cut_off);
+    let harness = GatewayUnderTest::new(gateway, LEASE, cut_off);
     let run_id = format!("{}", std::process::id());
     let total = 8;
     let count = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -13,7 +13,7 @@
 //!   bypassed until they flow again. So an operator's `keys delete` on any instance is seen
 //!   by every instance's cache: at once, or, by an instance whose listener connection froze
 //!   without an error, when its next probe is not heard (within the listener's `REPROBE`
-//!   plus its probe timeout, 7 s).
+//!   plus up to 2 s to send its probe and 2 s to hear it, 9 s).
 //! - It is bounded by bytes (`replay_cache.max_bytes`); the oldest entries go first.
 //! - A hit requires the same fingerprint; anything else goes to the store, which decides
 //!   (a different fingerprint is a 422 there).
