@@ -149,6 +149,28 @@ async fn dns_and_connect_failures_release_the_key_even_under_hold() {
     }
 }
 
+/// Two attempts of one key on a `hold` route whose upstream never comes up: each a 502 connect
+/// failure before the exchange's `timeout` (5s) could fire, never a timeout or a held
+/// outcome, and the key released after each.
+async fn connect_failures_release_the_key(gw: &TestGateway, c: &TestClient) {
+    for attempt in 0..2 {
+        let started = std::time::Instant::now();
+        let r = post(c, gw, "a", "k", "x").await;
+        let elapsed = started.elapsed();
+        assert_eq!(
+            (r.status, r.problem().as_str()),
+            (502, "upstream-unavailable"),
+            "attempt {attempt}: a connect failure, not a timeout or a held outcome"
+        );
+        // A hang check, not a speed claim: the exchange's own timeout (5s) never fired.
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "answered after {elapsed:?}"
+        );
+        assert_eq!(row_state(gw, "a", "k").await, None, "released");
+    }
+}
+
 /// An upstream whose TCP connect hangs: a listener with backlog 0 whose accept queue is
 /// already full, so the kernel drops every further SYN. The forward gives up after the
 /// upstream's `connect_timeout` (200ms), well before its `timeout` (5s, which would be 504):
@@ -182,22 +204,7 @@ async fn a_connect_that_hangs_is_502_after_connect_timeout_and_the_key_is_releas
     let yaml = config_yaml(&db, &format!("http://{addr}"), "on_unknown_outcome: hold");
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
-    for attempt in 0..2 {
-        let started = std::time::Instant::now();
-        let r = post(&c, &gw, "a", "k", "x").await;
-        let elapsed = started.elapsed();
-        assert_eq!(
-            (r.status, r.problem().as_str()),
-            (502, "upstream-unavailable"),
-            "attempt {attempt}: a connect failure, not a timeout or a held outcome"
-        );
-        // A hang check, not a speed claim: the exchange's own timeout (5s) never fired.
-        assert!(
-            elapsed < Duration::from_secs(5),
-            "answered after {elapsed:?}"
-        );
-        assert_eq!(row_state(&gw, "a", "k").await, None, "released");
-    }
+    connect_failures_release_the_key(&gw, &c).await;
 
     // The upstream accepts again: take the fillers off the queue, then serve on it.
     for _ in 0..fillers.len() {
@@ -250,22 +257,7 @@ async fn a_tls_handshake_that_hangs_is_502_after_connect_timeout_and_the_key_is_
     );
     let gw = TestGateway::start(&yaml, &db).await;
     let c = client();
-    for attempt in 0..2 {
-        let started = std::time::Instant::now();
-        let r = post(&c, &gw, "a", "k", "x").await;
-        let elapsed = started.elapsed();
-        assert_eq!(
-            (r.status, r.problem().as_str()),
-            (502, "upstream-unavailable"),
-            "attempt {attempt}: a connect failure, not a timeout or a held outcome"
-        );
-        // A hang check, not a speed claim: the exchange's own timeout (5s) never fired.
-        assert!(
-            elapsed < Duration::from_secs(5),
-            "answered after {elapsed:?}"
-        );
-        assert_eq!(row_state(&gw, "a", "k").await, None, "released");
-    }
+    connect_failures_release_the_key(&gw, &c).await;
     assert!(
         accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
         "each attempt's TCP connection was accepted: the handshake is what hung"
