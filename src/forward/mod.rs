@@ -225,7 +225,7 @@ impl tower_service::Service<Uri> for Pinned {
             match tokio::time::timeout(limit, connecting).await {
                 Ok(connected) => connected,
                 Err(_) => Err(format!(
-                    "the connection (its TLS handshake included) was not up within {}",
+                    "the connection was not up within connect_timeout ({})",
                     crate::config::fmt_duration(limit)
                 )
                 .into()),

@@ -27,10 +27,11 @@ use tokio_postgres_rustls::MakeRustlsConnect;
 use super::statements::CHANNEL;
 use crate::store::Announce;
 
-/// How often a live listener proves again that notifications arrive: also how long an
-/// instance whose listener froze silently may trust its replay cache, which an operator's
-/// delete on another instance could not reach meanwhile (`inflight/cache.rs`). One
-/// notification per instance per interval, through the pool.
+/// How often a live listener proves again that notifications arrive. With the probe's own
+/// bounds (2 s to send it, 2 s to hear it), it is how long an instance whose listener froze
+/// silently may go on trusting its replay cache, which an operator's delete on another
+/// instance could not reach meanwhile (`inflight/cache.rs`). One notification per instance
+/// per interval, through the pool.
 pub const REPROBE: Duration = Duration::from_secs(5);
 /// How long a probe may take to come back.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
